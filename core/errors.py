@@ -1,0 +1,34 @@
+"""Errors the core raises; each servicer maps them to one gRPC status (see specdec.core.errors.STATUS)."""
+from __future__ import annotations
+
+
+class SpecdecError(Exception):
+    """Base class: every error a caller can act on. The message says what to fix."""
+
+
+class InvalidRequest(SpecdecError):
+    """Bad input from the caller (maps to INVALID_ARGUMENT)."""
+
+
+class SessionNotFound(SpecdecError):
+    """No session with that id on this worker or in the store (maps to NOT_FOUND)."""
+
+
+class SessionOutOfSync(SpecdecError):
+    """The caller's view of a session's committed tokens disagrees with the worker's (FAILED_PRECONDITION)."""
+
+
+class CorruptRecord(SpecdecError):
+    """A stored value is corrupt or was not written by this format version (maps to DATA_LOSS)."""
+
+
+class Overloaded(SpecdecError):
+    """Over this process's admission limit; retry later or elsewhere (RESOURCE_EXHAUSTED)."""
+
+
+class ModelMismatch(SpecdecError):
+    """Two models that must share a tokenizer do not (raised at start-up)."""
+
+
+class ModelNotFound(SpecdecError):
+    """A model path is missing or holds no loadable model."""

@@ -1,0 +1,62 @@
+"""KV-cache bookkeeping for one sequence of a Hugging Face causal LM, with exact rollback.
+
+``KVSequence.logits_for(token_ids, num_last)`` is the only entry point: it keeps the longest cached
+prefix of ``token_ids``, crops everything after it (a rejected branch leaves no trace: invariant 4),
+feeds the rest in one forward pass and returns the logits of the last ``num_last`` positions.
+Drafter and verifier both use it, so rollback is implemented once.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def crop_to(cache, length: int) -> None:
+    """Truncate ``cache`` to its first ``length`` positions.
+
+    transformers 5.x ``DynamicCache.crop(n)`` takes a negative count of tokens to drop and rejects a
+    positive n (FINDINGS.md), so translate a target length into that.
+    """
+    current = cache.get_seq_length()
+    if length < 0 or length > current:
+        raise ValueError(f"cannot crop a cache of {current} tokens to {length}")
+    if length < current:
+        cache.crop(length - current)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class KVSequence:
+    """One sequence's KV cache and the token ids it covers."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from transformers import DynamicCache
+
+        self._model = model
+        self._cache = DynamicCache(config=model.config)
+        self._cached_ids: list[int] = []  # token ids whose keys/values are in the cache
+
+    @property
+    def cached_len(self) -> int:
+        return len(self._cached_ids)
+
+    @torch.inference_mode()
+    def logits_for(self, token_ids: Sequence[int], num_last: int) -> torch.Tensor:
+        """Logits predicting the token after each of the last ``num_last`` of ``token_ids``: [num_last, vocab]."""
+        if not 1 <= num_last <= len(token_ids):
+            raise ValueError(f"num_last must be in [1, {len(token_ids)}], got {num_last}")
+        keep = min(common_prefix_len(self._cached_ids, token_ids), len(token_ids) - num_last)
+        if keep < len(self._cached_ids):
+            crop_to(self._cache, keep)
+            del self._cached_ids[keep:]
+        new = list(token_ids[keep:])
+        out = self._model(input_ids=torch.tensor([new]), cache=self._cache, use_cache=True)
+        self._cached_ids.extend(new)
+        return out.logits[0, -num_last:]  # [num_last, vocab]

@@ -1,0 +1,65 @@
+"""Loading Hugging Face causal LMs from local paths, and checking that two share a tokenizer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.core.errors import ModelMismatch, ModelNotFound
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM ready for inference, with the tokenizer it was trained with."""
+
+    path: str
+    model: "torch.nn.Module"
+    tokenizer: object  # transformers.PreTrainedTokenizerBase
+    vocab_size: int  # rows of the model's output layer (may exceed len(tokenizer))
+    context_length: int  # max_position_embeddings: prompt plus generated tokens
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, threads: int | None = None) -> LoadedModel:
+    """Load ``AutoModelForCausalLM`` and ``AutoTokenizer`` from a local folder; never from a hub.
+
+    float32 by default: CPUs without AVX-512 run bf16/fp16 matmuls far slower (FINDINGS.md).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # servers log lines, not progress bars
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ModelNotFound(f"no model at {folder}: expected a folder saved with save_pretrained (config.json, *.safetensors, tokenizer files)")
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFound(f"could not load a causal LM from {folder}: {exc}") from exc
+    model.eval()
+    context = int(getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    return LoadedModel(str(folder), model, tokenizer, vocab, context)
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft whose tokenizer differs from the target's: its token ids would mean other strings."""
+    t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if t_vocab != d_vocab:
+        only_t = len(set(t_vocab.items()) - set(d_vocab.items()))
+        only_d = len(set(d_vocab.items()) - set(t_vocab.items()))
+        raise ModelMismatch(
+            f"draft model {draft.path} has a different tokenizer from target {target.path} "
+            f"({len(d_vocab)} vs {len(t_vocab)} tokens; {only_d} draft and {only_t} target entries differ): "
+            "a draft model must share the target's tokenizer"
+        )
+    if target.tokenizer.eos_token_id != draft.tokenizer.eos_token_id:
+        raise ModelMismatch(f"draft model {draft.path} has eos id {draft.tokenizer.eos_token_id}, target {target.tokenizer.eos_token_id}")

@@ -1,0 +1,59 @@
+"""A worker's open sessions, with idle expiry so a vanished orchestrator cannot leak them."""
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from specdec.core.errors import InvalidRequest, Overloaded, SessionNotFound
+
+T = TypeVar("T")
+SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def check_session_id(session_id: str) -> None:
+    if not SESSION_ID.match(session_id):
+        raise InvalidRequest(f"session id {session_id[:40]!r} is not 32 lowercase hex characters (a 128-bit random id)")
+
+
+class SessionTable(Generic[T]):
+    """Session id -> per-session state. Not thread-safe: each engine touches it from one thread."""
+
+    def __init__(self, max_sessions: int, idle_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._max = max_sessions
+        self._idle = idle_timeout_s
+        self._clock = clock
+        self._items: dict[str, tuple[T, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, session_id: str, state: T) -> None:
+        check_session_id(session_id)
+        self.reap_idle()
+        if session_id in self._items:
+            raise InvalidRequest(f"session {session_id} is already open on this worker")
+        if len(self._items) >= self._max:
+            raise Overloaded(f"this worker holds its maximum of {self._max} sessions; retry later or on another replica")
+        self._items[session_id] = (state, self._clock())
+
+    def get(self, session_id: str) -> T:
+        try:
+            state, _ = self._items[session_id]
+        except KeyError:
+            raise SessionNotFound(f"session {session_id[:40]} is not open on this worker (never opened, closed, or expired after {self._idle:g}s idle)") from None
+        self._items[session_id] = (state, self._clock())
+        return state
+
+    def pop(self, session_id: str) -> T | None:
+        item = self._items.pop(session_id, None)
+        return None if item is None else item[0]
+
+    def reap_idle(self) -> list[str]:
+        """Drop sessions idle longer than the timeout; returns their ids."""
+        now = self._clock()
+        stale = [sid for sid, (_, used) in self._items.items() if now - used > self._idle]
+        for sid in stale:
+            del self._items[sid]
+        return stale

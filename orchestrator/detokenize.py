@@ -1,0 +1,54 @@
+"""Streaming detokenization with stop strings.
+
+Byte-level BPE tokens can split a multi-byte character, so text is emitted only up to the last
+complete character (a trailing U+FFFD is held back until the next token completes it). Stop strings
+are searched in the whole text; text that could still be the start of a stop string is held back so
+a stop string is never partly streamed.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+        self._tok = tokenizer
+        self._stop = tuple(stop)
+        self._ids: list[int] = []
+        self._emitted = 0  # characters of the decoded text already returned
+        self.stopped = False
+
+    def _decode(self) -> str:
+        return self._tok.decode(self._ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append tokens; return the new text that is safe to show. Sets ``stopped`` on a stop string."""
+        self._ids.extend(token_ids)
+        text = self._decode()
+        for s in self._stop:
+            at = text.find(s, max(0, self._emitted - len(s) + 1))
+            if at != -1:
+                self.stopped = True
+                text = text[:at] if at >= self._emitted else text[: self._emitted]
+                return self._take(text, len(text))
+        safe = len(text)
+        while safe > self._emitted and text[safe - 1] == "\ufffd":
+            safe -= 1
+        for s in self._stop:  # hold back a suffix that may grow into a stop string
+            for n in range(min(len(s) - 1, safe - self._emitted), 0, -1):
+                if text[safe - n : safe] == s[:n]:
+                    safe -= n
+                    break
+        return self._take(text, safe)
+
+    def finish(self) -> str:
+        """Whatever text is still held back (call once, when generation ends without a stop string)."""
+        if self.stopped:
+            return ""
+        text = self._decode()
+        return self._take(text, len(text))
+
+    def _take(self, text: str, end: int) -> str:
+        piece = text[self._emitted : end]
+        self._emitted = max(self._emitted, end)
+        return piece

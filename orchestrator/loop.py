@@ -1,0 +1,204 @@
+"""The per-request loop: tokenize -> { draft k -> verify -> commit -> choose next k } -> detokenize.
+
+Workers are reached through the DraftWorker / VerifyWorker protocols (specdec.core.steps), so the
+same loop drives in-process engines (``specdec generate``) and gRPC workers (``specdec serve``).
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+
+from specdec.core.errors import InvalidRequest, Overloaded
+from specdec.core.sampling import SamplingParams
+from specdec.core.sessions import SessionRecord, SessionStatus, SessionStore, SpecCounters, new_session_id
+from specdec.core.speculation import SpeculationController
+from specdec.core.steps import DraftWorker, SequenceSync, SessionSpec, VerifyWorker, validate_prompt
+from specdec.orchestrator.detokenize import Detokenizer
+from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
+
+log = logging.getLogger(__name__)
+CLOSE_TIMEOUT_S = 5.0
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    CONTEXT_FULL = "context_full"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens committed by one step, and the text they complete. The last chunk has finish_reason set."""
+
+    session_id: str
+    seed: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    counters: SpecCounters = SpecCounters()
+    last_num_speculative_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the loop needs to know of the target model."""
+
+    tokenizer: object
+    vocab_size: int
+    context_length: int
+    eos_token_id: int | None
+
+
+class Orchestrator:
+    def __init__(self, target: TargetInfo, drafter: DraftWorker, verifier: VerifyWorker, store: SessionStore, config: OrchestratorConfig) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.verifier = verifier
+        self.store = store
+        self.config = config
+        self.running = 0
+
+    def tokenize(self, request: GenerationRequest) -> tuple[int, ...]:
+        if request.prompt_ids is not None:
+            ids = request.prompt_ids
+        else:
+            ids = tuple(self.target.tokenizer(request.prompt_text)["input_ids"])
+        validate_prompt(ids, self.target.vocab_size, self.target.context_length)
+        return ids
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        """Run one request, yielding a chunk per step. Frees worker sessions however it ends."""
+        request.validate(self.config)
+        prompt_ids = self.tokenize(request)
+        if self.running >= self.config.max_concurrent_requests:
+            raise Overloaded(f"{self.running} requests running, the limit is {self.config.max_concurrent_requests}; retry later")
+        drafter_name = request.drafter or self.config.default_drafter
+        sampling = request.sampling
+        session_id = new_session_id()
+        record = SessionRecord.new(prompt_ids, _params_json(request, drafter_name), sampling.seed, session_id)
+        spec = SessionSpec(session_id, prompt_ids, sampling, drafter_name)
+        self.running += 1
+        status, reason = SessionStatus.FAILED, ""
+        try:
+            await self.store.create(record)
+            await asyncio.gather(self.drafter.open(spec), self.verifier.open(spec))
+            async for chunk in self._loop(request, spec):
+                if chunk.finish_reason is not None:
+                    status, reason = SessionStatus.FINISHED, chunk.finish_reason.value
+                    await self.store.finish(session_id, status, reason)
+                yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            status = SessionStatus.CANCELLED
+            raise
+        finally:
+            self.running -= 1
+            await self._release(session_id, status, reason)
+
+    async def _release(self, session_id: str, status: SessionStatus, reason: str) -> None:
+        """Close the session on both workers; runs on success, error and cancellation alike."""
+        async def close_all() -> None:
+            results = await asyncio.gather(self.drafter.close(session_id), self.verifier.close(session_id), return_exceptions=True)
+            for r in results:
+                if isinstance(r, Exception):
+                    log.warning("closing session %s: %s", session_id, r)
+            if status is not SessionStatus.FINISHED:
+                try:
+                    await self.store.finish(session_id, status, reason)
+                except Exception as exc:  # the record may not exist if create failed
+                    log.debug("marking session %s %s: %s", session_id, status.value, exc)
+
+        # Shielded: a cancelled request must still free its sessions.
+        task = asyncio.ensure_future(asyncio.wait_for(close_all(), CLOSE_TIMEOUT_S))
+        try:
+            await asyncio.shield(task)
+        except (asyncio.CancelledError, asyncio.TimeoutError):
+            pass
+
+    async def _loop(self, request: GenerationRequest, spec: SessionSpec) -> AsyncIterator[Chunk]:
+        target = self.target
+        controller = SpeculationController(request.policy)
+        detok = Detokenizer(target.tokenizer, request.stop)
+        committed_len = len(spec.prompt_ids)
+        drafter_sync = SequenceSync(committed_len)
+        generated = 0
+        counters = SpecCounters()
+        common = dict(session_id=spec.session_id, seed=spec.sampling.seed, prompt_tokens=len(spec.prompt_ids))
+        while True:
+            remaining = request.max_new_tokens - generated
+            room = target.context_length - committed_len
+            k = max(0, min(controller.next_k(), remaining - 1, room - 1))
+            proposal = await self.drafter.draft(spec.session_id, drafter_sync, k)
+            outcome = await self.verifier.verify(spec.session_id, SequenceSync(committed_len), proposal)
+            drafted = len(proposal.token_ids)
+            controller.observe(drafted, outcome.num_accepted)
+            counters = counters.plus(SpecCounters(int(drafted > 0), drafted, outcome.num_accepted, 1))
+            drafter_sync = SequenceSync(committed_len, outcome.token_ids)
+            committed_len = outcome.committed_len
+
+            tokens, finish, text = self._emit(outcome.token_ids, remaining, detok)
+            generated += len(tokens)
+            if finish is None and committed_len >= target.context_length:
+                finish = FinishReason.CONTEXT_FULL
+            # Nothing lost: the committed tokens are in the store before the client sees them.
+            await self.store.commit(spec.session_id, tokens, counters)
+            if finish is not None:
+                text += detok.finish()
+            yield Chunk(token_ids=tokens, text=text, finish_reason=finish, completion_tokens=generated,
+                        counters=counters, last_num_speculative_tokens=k, **common)
+            if finish is not None:
+                return
+
+    def _emit(self, token_ids: tuple[int, ...], remaining: int, detok: Detokenizer) -> tuple[tuple[int, ...], FinishReason | None, str]:
+        """Cut a step's tokens at max_new_tokens, end-of-sequence or a stop string."""
+        tokens: list[int] = []
+        text = ""
+        finish = None
+        for tok in token_ids[:remaining]:
+            tokens.append(tok)
+            text += detok.add([tok])
+            if tok == self.target.eos_token_id or detok.stopped:
+                finish = FinishReason.STOP
+                break
+        if finish is None and len(token_ids) >= remaining:
+            finish = FinishReason.LENGTH
+        return tuple(tokens), finish, text
+
+
+def pick_seed(sampling: SamplingParams | None) -> SamplingParams:
+    return sampling if sampling is not None else SamplingParams(seed=secrets.randbits(63))
+
+
+def _params_json(request: GenerationRequest, drafter: str) -> dict:
+    s = request.sampling
+    return {
+        "max_new_tokens": request.max_new_tokens,
+        "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p},
+        "seed_given": request.seed_given,
+        "stop": list(request.stop),
+        "drafter": drafter,
+        "speculation": {
+            "mode": request.policy.mode.value,
+            "num_speculative_tokens": request.policy.num_speculative_tokens,
+            "max_speculative_tokens": request.policy.max_speculative_tokens,
+        },
+    }
+
+
+async def collect(chunks: AsyncIterator[Chunk]) -> tuple[Chunk, tuple[int, ...], str]:
+    """Run a request to the end: (last chunk, all token ids, all text)."""
+    ids: list[int] = []
+    text: list[str] = []
+    last = None
+    async for chunk in chunks:
+        ids.extend(chunk.token_ids)
+        text.append(chunk.text)
+        last = chunk
+    assert last is not None and last.finish_reason is not None
+    return last, tuple(ids), "".join(text)

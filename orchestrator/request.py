@@ -1,0 +1,51 @@
+"""A generation request as the loop sees it, validated once at the edge."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.core.errors import InvalidRequest
+from specdec.core.sampling import SamplingParams
+from specdec.core.speculation import SpeculationPolicy
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """Limits and defaults of one orchestrator. Built once, passed explicitly."""
+
+    max_new_tokens_limit: int = 2048
+    default_max_new_tokens: int = 128
+    default_drafter: str = "model"
+    default_policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
+    max_concurrent_requests: int = 64
+    max_stop_sequences: int = 8
+    max_stop_length: int = 64
+    session_ttl_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Either ``prompt_text`` or ``prompt_ids`` (exactly one is set)."""
+
+    prompt_text: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed_given: bool = False  # False: the server picked sampling.seed
+    stop: tuple[str, ...] = ()
+    drafter: str = ""
+    policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
+
+    def validate(self, config: OrchestratorConfig) -> None:
+        if (self.prompt_text is None) == (self.prompt_ids is None):
+            raise InvalidRequest("send the prompt as text or as token ids (exactly one)")
+        if self.prompt_text is not None and not self.prompt_text:
+            raise InvalidRequest("prompt is empty: send some text")
+        if self.prompt_ids is not None and not self.prompt_ids:
+            raise InvalidRequest("prompt is empty: send at least one token id")
+        if not 1 <= self.max_new_tokens <= config.max_new_tokens_limit:
+            raise InvalidRequest(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {self.max_new_tokens}")
+        if len(self.stop) > config.max_stop_sequences:
+            raise InvalidRequest(f"at most {config.max_stop_sequences} stop sequences, got {len(self.stop)}")
+        for s in self.stop:
+            if not 1 <= len(s) <= config.max_stop_length:
+                raise InvalidRequest(f"each stop sequence must have 1 to {config.max_stop_length} characters, got {len(s)}")

@@ -1,0 +1,37 @@
+"""The client-facing gRPC Generation service: decode -> run the loop -> encode."""
+from __future__ import annotations
+
+import grpc
+
+from specdec.core.sessions import check_session_id
+from specdec.orchestrator import convert
+from specdec.orchestrator.loop import Orchestrator, collect
+from specdec.rpc.status import rpc_errors, stream_errors
+from specdec.v1 import generation_pb2, generation_pb2_grpc
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orch = orchestrator
+
+    @rpc_errors
+    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> generation_pb2.GenerateResponse:
+        req = convert.request_from_pb(request, self.orch.config)
+        return convert.response_to_pb(*await collect(self.orch.generate(req)))
+
+    @stream_errors
+    async def GenerateStream(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        req = convert.request_from_pb(request, self.orch.config)
+        async for chunk in self.orch.generate(req):
+            yield convert.chunk_to_pb(chunk)
+
+    @rpc_errors
+    async def GetSession(self, request: generation_pb2.GetSessionRequest, context: grpc.aio.ServicerContext) -> generation_pb2.SessionInfo:
+        check_session_id(request.session_id)
+        return convert.record_to_pb(await self.orch.store.get(request.session_id))
+
+
+def register(orchestrator: Orchestrator):
+    return lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(orchestrator), server)

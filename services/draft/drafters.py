@@ -1,0 +1,70 @@
+"""The drafter interface and the one registry that chooses an implementation by name."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from specdec.core.errors import InvalidRequest
+from specdec.core.sampling import SamplingParams
+from specdec.core.steps import DraftProposal
+
+
+class DraftSession(Protocol):
+    """One session's drafting state (e.g. a KV cache)."""
+
+    def propose(self, committed: Sequence[int], num_speculative_tokens: int) -> DraftProposal:
+        """Propose up to ``num_speculative_tokens`` tokens to follow ``committed`` (prompt included)."""
+        ...
+
+
+class Drafter(Protocol):
+    """A way of proposing tokens, shared by all sessions that chose it."""
+
+    name: str
+    vocab_size: int  # 0 when the drafter needs no model
+
+    def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> DraftSession: ...
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """What the draft worker serves. Built once, passed explicitly."""
+
+    draft_model_path: str | None = None  # None: only model-free drafters
+    target_model_path: str | None = None  # if set, the draft's tokenizer is checked against it at start-up
+    proposal_top_k: int = 32  # a model drafter samples from, and sends, its top-K renormalised distribution
+    ngram_max: int = 3
+    ngram_min: int = 1
+    max_sessions: int = 256
+    idle_timeout_s: float = 300.0
+    threads: int | None = None
+
+
+DrafterFactory = Callable[[DraftConfig], Drafter | None]
+_REGISTRY: dict[str, DrafterFactory] = {}
+
+
+def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
+    """Register a factory; it returns None when the configuration cannot serve this drafter."""
+
+    def wrap(factory: DrafterFactory) -> DrafterFactory:
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def build_drafters(config: DraftConfig) -> dict[str, Drafter]:
+    """Every registered drafter this configuration can serve, by name."""
+    from specdec.draft import model_drafter, ngram  # noqa: F401  (registration side effect)
+
+    built = {name: factory(config) for name, factory in _REGISTRY.items()}
+    return {name: d for name, d in built.items() if d is not None}
+
+
+def pick(drafters: dict[str, Drafter], name: str) -> Drafter:
+    try:
+        return drafters[name]
+    except KeyError:
+        raise InvalidRequest(f"unknown drafter {name!r}; this worker serves {sorted(drafters)}") from None

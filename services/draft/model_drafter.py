@@ -1,0 +1,95 @@
+"""Drafting with a small causal LM that shares the target's tokenizer.
+
+Greedy: the draft's argmax tokens, sent as point masses. Sampling: each draft token is drawn from
+the draft's distribution (same temperature / top-k / top-p as the target) truncated to its
+``proposal_top_k`` most likely tokens and renormalised; that exact distribution is sent, so the
+verifier's rejection rule stays lossless while a step ships K numbers per token, not a vocabulary
+(invariant 2 in DESIGN.md).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from specdec.core import rng
+from specdec.core.kv import KVSequence
+from specdec.core.models import LoadedModel, check_same_tokenizer, load_causal_lm
+from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from
+from specdec.core.steps import DraftProposal, SparseDistribution
+from specdec.draft.drafters import DraftConfig, register
+
+
+def truncate_top_k(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``probs`` [vocab] -> (token ids [K], renormalised probabilities [K]) of the K most likely tokens."""
+    values, ids = torch.topk(probs, min(top_k, probs.shape[-1]))
+    keep = values > 0
+    values, ids = values[keep], ids[keep]
+    return ids, values / values.sum()
+
+
+class ModelDraftSession:
+    def __init__(self, model: torch.nn.Module, sampling: SamplingParams, proposal_top_k: int) -> None:
+        self._kv = KVSequence(model)
+        self._sampling = sampling
+        self._top_k = proposal_top_k
+
+    def prefill(self, prompt_ids: Sequence[int]) -> None:
+        self._kv.logits_for(prompt_ids, 1)
+
+    def propose(self, committed: Sequence[int], num_speculative_tokens: int) -> DraftProposal:
+        t0 = time.perf_counter_ns()
+        seq = list(committed)
+        tokens: list[int] = []
+        dists: list[SparseDistribution] = []
+        for _ in range(num_speculative_tokens):
+            logits = self._kv.logits_for(seq, 1)[0]  # [vocab]
+            if self._sampling.greedy:
+                token = int(logits.argmax())
+            else:
+                ids, probs = truncate_top_k(probs_from_logits(logits, self._sampling), self._top_k)
+                u = rng.uniform(self._sampling.seed, rng.Stream.DRAFT_SAMPLE, len(seq))
+                token = int(ids[sample_from(probs, torch.tensor(u))])
+                dists.append(SparseDistribution(tuple(ids.tolist()), tuple(probs.tolist())))
+            tokens.append(token)
+            seq.append(token)
+        distributions = None if self._sampling.greedy else tuple(dists)
+        return DraftProposal(tuple(tokens), distributions, time.perf_counter_ns() - t0)
+
+
+class ModelDrafter:
+    name = "model"
+
+    def __init__(self, loaded: LoadedModel, proposal_top_k: int) -> None:
+        if proposal_top_k < 1:
+            raise ValueError(f"proposal_top_k must be >= 1, got {proposal_top_k}")
+        self.loaded = loaded
+        self.vocab_size = loaded.vocab_size
+        self._top_k = proposal_top_k
+
+    def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> ModelDraftSession:
+        session = ModelDraftSession(self.loaded.model, sampling, self._top_k)
+        session.prefill(prompt_ids)
+        return session
+
+
+@register("model")
+def _build(config: DraftConfig) -> ModelDrafter | None:
+    if not config.draft_model_path:
+        return None
+    draft = load_causal_lm(config.draft_model_path, threads=config.threads)
+    if config.target_model_path:
+        # Only the tokenizer is needed for the check; loading it is cheap.
+        from transformers import AutoTokenizer
+
+        target_tok = AutoTokenizer.from_pretrained(config.target_model_path, local_files_only=True)
+        check_same_tokenizer(_TokenizerOnly(config.target_model_path, target_tok), draft)
+    return ModelDrafter(draft, config.proposal_top_k)
+
+
+class _TokenizerOnly:
+    """Enough of a LoadedModel for check_same_tokenizer."""
+
+    def __init__(self, path: str, tokenizer) -> None:
+        self.path, self.tokenizer = path, tokenizer

@@ -1,0 +1,2 @@
+"""specdec: distributed, lossless speculative decoding."""
+__version__ = "0.1.0"

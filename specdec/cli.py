@@ -1,0 +1,258 @@
+"""The ``specdec`` command: generate, serve one role, or bring all roles up locally."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from specdec.core.errors import SpecdecError
+from specdec.core.sampling import SamplingParams
+from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+
+DEMO_DIR = Path(__file__).resolve().parents[1] / "models" / "demo"
+ENV_TARGET, ENV_DRAFT, ENV_REDIS = "SPECDEC_TARGET_MODEL", "SPECDEC_DRAFT_MODEL", "SPECDEC_REDIS_URL"
+PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
+
+
+class UsageError(Exception):
+    """A mistake on the command line; printed without a traceback."""
+
+
+def model_path(flag: str | None, env: str, demo: str) -> str:
+    """A model folder from the flag, else the environment, else the bundled demo pair."""
+    path = flag or os.environ.get(env) or (str(DEMO_DIR / demo) if (DEMO_DIR / demo / "config.json").is_file() else None)
+    if not path:
+        raise UsageError(
+            f"no {demo} model: pass --{demo} PATH (a folder saved with save_pretrained) or set {env}; "
+            f"the demo pair is expected at {DEMO_DIR / demo}"
+        )
+    return path
+
+
+# ----------------------------------------------------------------------------- arguments
+def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool = True) -> None:
+    if target:
+        p.add_argument("--target", help=f"target model folder (default: ${ENV_TARGET} or the demo pair)")
+    if draft:
+        p.add_argument("--draft", help=f"draft model folder (default: ${ENV_DRAFT} or the demo pair)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per model process")
+
+
+def _add_request_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--drafter", default="model", help="model | ngram")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="fixed speculation length (default: adaptive)")
+    p.add_argument("--max-speculative-tokens", type=int, default=8, help="adaptive upper bound")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specdec", description="Distributed, lossless speculative decoding.")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion (all roles in this process, or --server)")
+    gen.add_argument("prompt")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
+    gen.add_argument("--server", help="use a running orchestrator at HOST:PORT instead of this process")
+    _add_model_args(gen)
+    _add_request_args(gen)
+
+    serve = sub.add_parser("serve", help="run one role as a gRPC server")
+    serve.add_argument("role", choices=["draft", "target", "orchestrator"])
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default: 50051 orchestrator, 50052 draft, 50053 target)")
+    serve.add_argument("--drafter-address", default=f"127.0.0.1:{PORTS['draft']}")
+    serve.add_argument("--verifier-address", default=f"127.0.0.1:{PORTS['target']}")
+    serve.add_argument("--redis-url", default=os.environ.get(ENV_REDIS), help=f"session store (default ${ENV_REDIS}; none: in memory)")
+    serve.add_argument("--max-new-tokens-limit", type=int, default=2048)
+    serve.add_argument("--max-concurrent-requests", type=int, default=64)
+    serve.add_argument("--no-draft-model", action="store_true", help="draft role: serve only model-free drafters")
+    _add_model_args(serve)
+
+    up = sub.add_parser("up", help="start orchestrator, draft and target as separate local processes")
+    up.add_argument("--redis-url", default=os.environ.get(ENV_REDIS, "redis://127.0.0.1:6379/0"))
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--base-port", type=int, default=PORTS["orchestrator"], help="orchestrator port; draft +1, target +2")
+    _add_model_args(up)
+    return ap
+
+
+def request_from_args(args) -> "GenerationRequest":
+    from specdec.orchestrator.request import GenerationRequest
+    import secrets
+
+    seed = args.seed if args.seed is not None else secrets.randbits(63)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, seed)
+    if args.num_speculative_tokens is None:
+        policy = SpeculationPolicy(SpeculationMode.ADAPTIVE, min(4, args.max_speculative_tokens), args.max_speculative_tokens)
+    else:
+        policy = SpeculationPolicy(SpeculationMode.FIXED, args.num_speculative_tokens, max(args.num_speculative_tokens, args.max_speculative_tokens))
+    return GenerationRequest(prompt_text=args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                             seed_given=args.seed is not None, stop=tuple(args.stop), drafter=args.drafter, policy=policy)
+
+
+# ----------------------------------------------------------------------------- generate
+async def _generate_embedded(args) -> int:
+    from specdec import roles
+    from specdec.draft.drafters import DraftConfig
+    from specdec.orchestrator.request import OrchestratorConfig
+    from specdec.target.engine import TargetConfig
+
+    target = model_path(args.target, ENV_TARGET, "target")
+    draft = model_path(args.draft, ENV_DRAFT, "draft") if args.drafter == "model" else (args.draft or os.environ.get(ENV_DRAFT))
+    request = request_from_args(args)
+    orch = roles.embedded(TargetConfig(target, threads=args.threads), DraftConfig(draft, target, threads=args.threads),
+                          OrchestratorConfig(default_drafter=args.drafter))
+    t0 = time.perf_counter()
+    ids: list[int] = []
+    pieces: list[str] = []
+    last = None
+    async for chunk in orch.generate(request):
+        ids.extend(chunk.token_ids)
+        pieces.append(chunk.text)
+        last = chunk
+        if not args.json:
+            print(chunk.text, end="", flush=True)
+    elapsed = time.perf_counter() - t0
+    if args.json:
+        c = last.counters
+        print(json.dumps({
+            "session_id": last.session_id, "text": "".join(pieces), "token_ids": ids, "finish_reason": last.finish_reason.value,
+            "usage": {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens},
+            "stats": {"drafts": c.drafts, "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
+                      "verify_steps": c.verify_steps, "acceptance_rate": round(c.acceptance_rate, 4),
+                      "mean_accepted_length": round(c.mean_accepted_length, 4)},
+            "seed": last.seed, "elapsed_s": round(elapsed, 3), "tokens_per_s": round(len(ids) / elapsed, 2),
+        }, indent=2))
+    else:
+        print()
+    return 0
+
+
+async def _generate_remote(args) -> int:
+    import grpc
+
+    from specdec.rpc.server import CHANNEL_OPTIONS
+    from specdec.v1 import common_pb2, generation_pb2 as pb, generation_pb2_grpc
+
+    sampling = common_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    policy = pb.SpeculationPolicy(mode=pb.SPECULATION_MODE_ADAPTIVE, max_speculative_tokens=args.max_speculative_tokens)
+    if args.num_speculative_tokens is not None:
+        policy = pb.SpeculationPolicy(mode=pb.SPECULATION_MODE_FIXED, num_speculative_tokens=args.num_speculative_tokens)
+    req = pb.GenerateRequest(text=args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
+                             drafter=args.drafter, speculation=policy)
+    async with grpc.aio.insecure_channel(args.server, options=CHANNEL_OPTIONS) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            if args.json:
+                from google.protobuf.json_format import MessageToJson
+
+                print(MessageToJson(await stub.Generate(req), preserving_proto_field_name=True))
+            else:
+                async for msg in stub.GenerateStream(req):
+                    print(msg.text, end="", flush=True)
+                print()
+        except grpc.aio.AioRpcError as err:
+            print(f"specdec: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 2
+    return 0
+
+
+# ----------------------------------------------------------------------------- serve / up
+async def _serve(args) -> int:
+    from specdec import roles
+    from specdec.rpc.server import ServerConfig, serve_forever
+
+    server = ServerConfig(args.host, args.port if args.port is not None else PORTS[args.role])
+    if args.role == "draft":
+        from specdec.draft.drafters import DraftConfig
+
+        draft = None if args.no_draft_model else model_path(args.draft, ENV_DRAFT, "draft")
+        target = args.target or os.environ.get(ENV_TARGET)
+        running, _ = await roles.start_draft(DraftConfig(draft, target, threads=args.threads), server)
+    elif args.role == "target":
+        from specdec.target.engine import TargetConfig
+
+        running, _ = await roles.start_target(TargetConfig(model_path(args.target, ENV_TARGET, "target"), threads=args.threads), server)
+    else:
+        from specdec.orchestrator.request import OrchestratorConfig
+
+        config = OrchestratorConfig(max_new_tokens_limit=args.max_new_tokens_limit, max_concurrent_requests=args.max_concurrent_requests)
+        store = roles.make_store(args.redis_url, config.session_ttl_s)
+        upstreams = roles.Upstreams(args.drafter_address, args.verifier_address, model_path(args.target, ENV_TARGET, "target"))
+        running, _ = await roles.start_orchestrator(config, upstreams, store, server)
+    print(f"specdec {args.role} serving on {running.address}", flush=True)
+    await serve_forever(running, server.grace_s)
+    return 0
+
+
+def _up(args) -> int:
+    """Three processes, one per role, against Redis; stops them all on Ctrl-C or when one dies."""
+    target = model_path(args.target, ENV_TARGET, "target")
+    draft = model_path(args.draft, ENV_DRAFT, "draft")
+    ports = {"orchestrator": args.base_port, "draft": args.base_port + 1, "target": args.base_port + 2}
+    common = [sys.executable, "-m", "specdec", "serve", "--host", args.host, "--target", target, "--draft", draft]
+    if args.threads:
+        common += ["--threads", str(args.threads)]
+    procs = {
+        role: subprocess.Popen(common + [role, "--port", str(ports[role]),
+                                         "--drafter-address", f"{args.host}:{ports['draft']}",
+                                         "--verifier-address", f"{args.host}:{ports['target']}",
+                                         *(["--redis-url", args.redis_url] if role == "orchestrator" else [])])
+        for role in ("target", "draft", "orchestrator")
+    }
+    print(f"specdec up: orchestrator {args.host}:{ports['orchestrator']}, draft :{ports['draft']}, target :{ports['target']}; "
+          f"sessions in {args.redis_url}. Try: specdec generate --server {args.host}:{ports['orchestrator']} \"def fib(n):\"", flush=True)
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        while not stopping:
+            dead = [r for r, p in procs.items() if p.poll() is not None]
+            if dead:
+                print(f"specdec up: {', '.join(dead)} exited; stopping the others", file=sys.stderr)
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return 0 if stopping else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.command == "generate":
+            return asyncio.run(_generate_remote(args) if args.server else _generate_embedded(args))
+        if args.command == "serve":
+            return asyncio.run(_serve(args))
+        return _up(args)
+    except (UsageError, SpecdecError) as exc:
+        print(f"specdec: {exc}", file=sys.stderr)
+        return 2

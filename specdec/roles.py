@@ -1,0 +1,91 @@
+"""Composition root: wire engines, servicers, stores and the loop into runnable roles.
+
+Each role can run as its own gRPC server (``specdec serve ...``), or all roles in one process with
+direct calls and the in-memory store (``specdec generate``): the same engines and the same loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from specdec.core.sessions import InMemorySessionStore, SessionStore
+from specdec.draft.drafters import DraftConfig
+from specdec.draft.engine import AsyncDraftEngine, DraftEngine
+from specdec.orchestrator.loop import Orchestrator, TargetInfo
+from specdec.orchestrator.request import OrchestratorConfig
+from specdec.rpc.server import RunningServer, ServerConfig, start_server
+from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
+
+log = logging.getLogger(__name__)
+
+
+def make_store(redis_url: str | None, ttl_s: float) -> SessionStore:
+    """Redis when a URL is configured, else the in-memory store (the embedded default)."""
+    if redis_url:
+        from specdec.core.redis_store import RedisSessionStore
+
+        return RedisSessionStore.from_url(redis_url, ttl_s=ttl_s)
+    return InMemorySessionStore(ttl_s=ttl_s)
+
+
+def embedded(target: TargetConfig, draft: DraftConfig, config: OrchestratorConfig, store: SessionStore | None = None) -> Orchestrator:
+    """All roles in this process, called directly (no threads, no sockets)."""
+    verifier = VerifierEngine.from_config(target)
+    drafter = DraftEngine.from_config(draft)
+    loaded = verifier.loaded
+    info = TargetInfo(loaded.tokenizer, loaded.vocab_size, loaded.context_length, loaded.eos_token_id)
+    return Orchestrator(info, AsyncDraftEngine(drafter, threaded=False), AsyncVerifierEngine(verifier, threaded=False),
+                        store or InMemorySessionStore(config.session_ttl_s), config)
+
+
+async def start_draft(config: DraftConfig, server: ServerConfig) -> tuple[RunningServer, AsyncDraftEngine]:
+    from specdec.draft import servicer
+
+    engine = AsyncDraftEngine(DraftEngine.from_config(config))
+    return await start_server(server, servicer.register(engine), [servicer.SERVICE_NAME]), engine
+
+
+async def start_target(config: TargetConfig, server: ServerConfig) -> tuple[RunningServer, AsyncVerifierEngine]:
+    from specdec.target import servicer
+
+    engine = AsyncVerifierEngine(VerifierEngine.from_config(config))
+    return await start_server(server, servicer.register(engine), [servicer.SERVICE_NAME]), engine
+
+
+@dataclass(frozen=True)
+class Upstreams:
+    drafter_address: str
+    verifier_address: str
+    tokenizer_path: str  # the target's tokenizer (usually the target model folder)
+    timeout_s: float = 30.0
+
+
+async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, store: SessionStore, server: ServerConfig,
+                             wait_s: float = 60.0) -> tuple[RunningServer, Orchestrator]:
+    from transformers import AutoTokenizer
+
+    from specdec.orchestrator import servicer
+    from specdec.orchestrator.remote import RemoteDraftWorker, RemoteVerifyWorker
+
+    drafter = RemoteDraftWorker(upstreams.drafter_address, upstreams.timeout_s)
+    verifier = RemoteVerifyWorker(upstreams.verifier_address, upstreams.timeout_s)
+    status = await _wait_for(verifier.status, wait_s, f"verifier at {upstreams.verifier_address}")
+    await _wait_for(drafter.status, wait_s, f"drafter at {upstreams.drafter_address}")
+    tokenizer = AutoTokenizer.from_pretrained(upstreams.tokenizer_path, local_files_only=True)
+    info = TargetInfo(tokenizer, status.vocab_size, status.context_length, tokenizer.eos_token_id)
+    orch = Orchestrator(info, drafter, verifier, store, config)
+    return await start_server(server, servicer.register(orch), [servicer.SERVICE_NAME]), orch
+
+
+async def _wait_for(probe, wait_s: float, what: str):
+    """Workers may still be loading their models: retry until they answer or the wait runs out."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        try:
+            return await probe()
+        except Exception as exc:  # connection refused while the worker starts: retry, then report
+            if loop.time() > deadline:
+                raise ConnectionError(f"{what} did not answer within {wait_s:.0f}s: {exc}") from exc
+            await asyncio.sleep(0.2)

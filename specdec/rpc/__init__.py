@@ -1,0 +1,1 @@
+"""The gRPC edge shared by every role: protobuf <-> core dataclasses, error -> status, server bootstrap."""

@@ -1,0 +1,64 @@
+"""One mapping from core errors to gRPC status codes, applied by every servicer."""
+from __future__ import annotations
+
+import functools
+import logging
+
+import grpc
+
+from specdec.core import errors
+
+log = logging.getLogger(__name__)
+
+STATUS: dict[type[errors.SpecdecError], grpc.StatusCode] = {
+    errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.SessionNotFound: grpc.StatusCode.NOT_FOUND,
+    errors.SessionOutOfSync: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.CorruptRecord: grpc.StatusCode.DATA_LOSS,
+    errors.ModelMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ModelNotFound: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+def status_for(exc: errors.SpecdecError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def rpc_errors(method):
+    """Decorate a unary servicer method: a SpecdecError aborts with its status and message."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except errors.SpecdecError as exc:
+            await context.abort(status_for(exc), str(exc))
+
+    return wrapper
+
+
+def stream_errors(method):
+    """Decorate a server-streaming servicer method (an async generator) the same way."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except errors.SpecdecError as exc:
+            await context.abort(status_for(exc), str(exc))
+
+    return wrapper
+
+
+def raise_for(err: grpc.aio.AioRpcError) -> None:
+    """Client side: turn a worker's status back into the core error, so it propagates with meaning."""
+    code = err.code()
+    for cls, status in STATUS.items():
+        if status == code and cls not in (errors.ModelMismatch, errors.ModelNotFound):
+            raise cls(err.details() or code.name) from err
+    raise err

@@ -1,0 +1,56 @@
+"""Real specdec roles for end-to-end tests: gRPC servers on loopback ports and a real Redis.
+
+Each role is started the way ``specdec serve`` starts it (specdec.roles), inside the test's event
+loop; only the process boundary is missing (tests/test_cli.py covers ``specdec up`` processes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from specdec import roles
+from specdec.core.redis_store import RedisSessionStore
+from specdec.draft.drafters import DraftConfig
+from specdec.draft.engine import AsyncDraftEngine
+from specdec.orchestrator.loop import Orchestrator
+from specdec.orchestrator.request import OrchestratorConfig
+from specdec.rpc.server import RunningServer, ServerConfig
+from specdec.target.engine import AsyncVerifierEngine, TargetConfig
+from specdec.v1 import generation_pb2_grpc
+
+LOOPBACK = ServerConfig("127.0.0.1", 0)
+
+
+@dataclass
+class Cluster:
+    servers: list[RunningServer]
+    draft: AsyncDraftEngine
+    target: AsyncVerifierEngine
+    orchestrator: Orchestrator
+    store: RedisSessionStore
+    address: str  # the orchestrator's Generation service
+    channel: grpc.aio.Channel
+    stub: generation_pb2_grpc.GenerationStub
+
+    async def active_sessions(self) -> tuple[int, int]:
+        """Open sessions on (draft worker, target worker)."""
+        return (await self.draft.status()).active_sessions, (await self.target.status()).active_sessions
+
+    async def stop(self) -> None:
+        await self.channel.close()
+        for s in reversed(self.servers):
+            await s.stop(0)
+        await self.store.close()
+
+
+async def start_cluster(target_path: str, draft_path: str, redis_url: str, prefix: str,
+                        config: OrchestratorConfig | None = None) -> Cluster:
+    draft_server, draft = await roles.start_draft(DraftConfig(draft_path, target_path), LOOPBACK)
+    target_server, target = await roles.start_target(TargetConfig(target_path), LOOPBACK)
+    store = RedisSessionStore.from_url(redis_url, prefix=prefix)
+    upstreams = roles.Upstreams(draft_server.address, target_server.address, target_path)
+    orch_server, orch = await roles.start_orchestrator(config or OrchestratorConfig(max_new_tokens_limit=256), upstreams, store, LOOPBACK)
+    channel = grpc.aio.insecure_channel(orch_server.address)
+    return Cluster([draft_server, target_server, orch_server], draft, target, orch, store, orch_server.address, channel,
+                   generation_pb2_grpc.GenerationStub(channel))

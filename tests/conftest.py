@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import pytest
+
+from redis_server import delete_prefix, redis_url_for_tests
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A Redis for this test session (see tests/redis_server.py); fails, saying what to install, if none."""
+    with ExitStack() as stack:
+        try:
+            url = stack.enter_context(redis_url_for_tests())
+        except RuntimeError as e:
+            pytest.fail(str(e))
+        yield url
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix unique to this test; its keys are deleted afterwards."""
+    prefix = f"specdec-test-{uuid.uuid4().hex[:8]}"
+    yield prefix
+    delete_prefix(redis_url, prefix)
+
+
+# ----------------------------------------------------------------------------- models and servers
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest_asyncio  # noqa: E402
+
+from cluster import Cluster, start_cluster  # noqa: E402
+from tiny_models import build_model, build_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_pair() -> Iterator[tuple[str, str]]:
+    """(target, draft) folders: random-weight Llamas sharing one trained byte-level BPE tokenizer."""
+    with tempfile.TemporaryDirectory(prefix="specdec-models-") as tmp:
+        root = Path(tmp)
+        tok = build_tokenizer(root)
+        target = build_model(root / "target", tok, hidden=64, layers=2, seed=0)
+        draft = build_model(root / "draft", tok, hidden=32, layers=1, seed=1)
+        yield str(target), str(draft)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def cluster(tiny_pair, redis_url) -> Cluster:
+    """Drafter, verifier and orchestrator gRPC servers on loopback, sessions in Redis."""
+    target, draft = tiny_pair
+    c = await start_cluster(target, draft, redis_url, prefix=f"specdec-test-{uuid.uuid4().hex[:8]}")
+    yield c
+    await c.stop()
+    delete_prefix(redis_url, c.store._prefix)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def twin_cluster(tiny_pair, redis_url) -> Cluster:
+    """As ``cluster``, but the draft model is the target itself."""
+    target, _ = tiny_pair
+    c = await start_cluster(target, target, redis_url, prefix=f"specdec-test-{uuid.uuid4().hex[:8]}")
+    yield c
+    await c.stop()
+    delete_prefix(redis_url, c.store._prefix)
