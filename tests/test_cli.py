@@ -1,0 +1,104 @@
+"""The `specdec` command as a user runs it: real processes."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.v1 import common_pb2, generation_pb2 as pb, generation_pb2_grpc
+
+ENV = {**os.environ, "SPECDEC_TARGET_MODEL": "", "SPECDEC_DRAFT_MODEL": ""}
+
+
+def specdec(*args: str, timeout: float = 120, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdec", *args], capture_output=True, text=True, timeout=timeout, env=env or ENV)
+
+
+def test_generate_json_in_one_process(tiny_pair):
+    target, draft = tiny_pair
+    out = specdec("generate", "def add(a, b):", "--target", target, "--draft", draft, "--max-new-tokens", "12", "-k", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["usage"]["completion_tokens"] == len(result["token_ids"]) == 12
+    assert result["finish_reason"] == "length"
+    assert result["stats"]["draft_tokens"] > 0 and result["stats"]["verify_steps"] >= 1
+
+
+def test_generate_without_models_says_how_to_pass_one(tmp_path, monkeypatch):
+    import specdec.cli as cli
+
+    monkeypatch.setattr(cli, "DEMO_DIR", tmp_path)  # as on an install without the demo pair
+    with pytest.raises(cli.UsageError, match="--target PATH"):
+        cli.model_path(None, cli.ENV_TARGET, "target")
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_pair, tmp_path):
+    from tiny_models import build_model, build_tokenizer
+
+    target, _ = tiny_pair
+    other = build_model(tmp_path / "other", build_tokenizer(tmp_path, vocab_size=300), hidden=32, layers=1, seed=3)
+    out = specdec("generate", "x = 1", "--target", target, "--draft", str(other), "--max-new-tokens", "2")
+    assert out.returncode == 2
+    assert "different tokenizer" in out.stderr and "Traceback" not in out.stderr
+
+
+def free_port_block(n: int = 3) -> int:
+    """A base port with n consecutive free ports."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65535 and all(_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no free port block")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_up_runs_three_processes_against_redis(tiny_pair, redis_url):
+    target, draft = tiny_pair
+    base = free_port_block()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--target", target, "--draft", draft,
+                             "--base-port", str(base), "--redis-url", redis_url], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        address = f"127.0.0.1:{base}"
+        channel = grpc.insecure_channel(address)
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.time() + 90
+        while True:
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(service="specdec.v1.Generation"), timeout=1).status == 1:
+                    break
+            except grpc.RpcError:
+                pass
+            assert time.time() < deadline and proc.poll() is None, "specdec up did not become healthy"
+            time.sleep(0.3)
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        reply = stub.Generate(pb.GenerateRequest(text="import os\n", max_new_tokens=10,
+                                                 sampling=common_pb2.SamplingParams(temperature=0)), timeout=60)
+        assert len(reply.token_ids) == 10
+        info = stub.GetSession(pb.GetSessionRequest(session_id=reply.session_id), timeout=10)
+        assert list(info.output_token_ids) == list(reply.token_ids)
+        # Three processes: the orchestrator and both workers are separate children of `up`.
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) == 3
+        channel.close()
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
