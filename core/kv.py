@@ -34,13 +34,21 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class KVSequence:
-    """One sequence's KV cache and the token ids it covers."""
+    """One sequence's KV cache and the token ids it covers.
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        from transformers import DynamicCache
+    With a ``LlamaDecoder`` (specdec.core.llama_decode) the cache is its preallocated buffer and a
+    crop is just a shorter valid length; otherwise it is the model's own HF ``DynamicCache``.
+    """
 
+    def __init__(self, model: torch.nn.Module, decoder=None) -> None:
         self._model = model
-        self._cache = DynamicCache(config=model.config)
+        self._decoder = decoder
+        if decoder is not None:
+            self._cache = decoder.new_cache()
+        else:
+            from transformers import DynamicCache
+
+            self._cache = DynamicCache(config=model.config)
         self._cached_ids: list[int] = []  # token ids whose keys/values are in the cache
 
     @property
@@ -54,9 +62,13 @@ class KVSequence:
             raise ValueError(f"num_last must be in [1, {len(token_ids)}], got {num_last}")
         keep = min(common_prefix_len(self._cached_ids, token_ids), len(token_ids) - num_last)
         if keep < len(self._cached_ids):
-            crop_to(self._cache, keep)
-            del self._cached_ids[keep:]
+            if self._decoder is None:
+                crop_to(self._cache, keep)
+            del self._cached_ids[keep:]  # the decoder's buffer past `keep` is simply overwritten later
         new = list(token_ids[keep:])
-        out = self._model(input_ids=torch.tensor([new]), cache=self._cache, use_cache=True)
+        if self._decoder is not None:
+            logits = self._decoder.forward(self._cache, new, keep)  # [len(new), vocab]
+        else:
+            logits = self._model(input_ids=torch.tensor([new]), cache=self._cache, use_cache=True).logits[0]
         self._cached_ids.extend(new)
-        return out.logits[0, -num_last:]  # [num_last, vocab]
+        return logits[-num_last:]  # [num_last, vocab]

@@ -39,12 +39,16 @@ class SessionTable(Generic[T]):
         self._items[session_id] = (state, self._clock())
 
     def get(self, session_id: str) -> T:
-        try:
-            state, _ = self._items[session_id]
-        except KeyError:
-            raise SessionNotFound(f"session {session_id[:40]} is not open on this worker (never opened, closed, or expired after {self._idle:g}s idle)") from None
-        self._items[session_id] = (state, self._clock())
-        return state
+        """The session's state, marked as used now. An expired session is gone even if not yet reaped."""
+        now = self._clock()
+        item = self._items.get(session_id)
+        if item is not None and now - item[1] > self._idle:
+            del self._items[session_id]
+            item = None
+        if item is None:
+            raise SessionNotFound(f"session {session_id[:40]} is not open on this worker (never opened, closed, or expired after {self._idle:g}s idle)")
+        self._items[session_id] = (item[0], now)
+        return item[0]
 
     def pop(self, session_id: str) -> T | None:
         item = self._items.pop(session_id, None)

@@ -29,10 +29,11 @@ class SpeculationPolicy:
     draft_cost_ratio: float = 0.1  # c: a draft token's cost relative to one verification step
 
     def __post_init__(self) -> None:
-        if not 0 <= self.max_speculative_tokens <= 64:
-            raise InvalidRequest(f"max_speculative_tokens must be in [0, 64], got {self.max_speculative_tokens}")
+        # num_speculative_tokens first: when only it is given, max_speculative_tokens is derived from it.
         if not 0 <= self.num_speculative_tokens <= 64:
             raise InvalidRequest(f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens}")
+        if not 0 <= self.max_speculative_tokens <= 64:
+            raise InvalidRequest(f"max_speculative_tokens must be in [0, 64], got {self.max_speculative_tokens}")
         if self.mode is SpeculationMode.ADAPTIVE and self.num_speculative_tokens > self.max_speculative_tokens:
             raise InvalidRequest(
                 f"num_speculative_tokens {self.num_speculative_tokens} exceeds max_speculative_tokens {self.max_speculative_tokens}"

@@ -85,10 +85,27 @@ class VerifyWorker(Protocol):
     async def status(self) -> WorkerInfo: ...
 
 
-def apply_sync(committed: list[int], sync: SequenceSync) -> None:
-    """Bring a worker's committed tokens in step with the orchestrator's, in place."""
-    if sync.base_len > len(committed):
-        raise SessionOutOfSync(f"sync base_len {sync.base_len} exceeds the {len(committed)} tokens this worker holds")
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """InvalidRequest naming ``what`` if any id is outside [0, vocab_size): it would index past the embeddings."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+def check_sync(held: int, sync: SequenceSync, vocab_size: int) -> int:
+    """Validate a sync against a worker holding ``held`` committed tokens, changing nothing.
+
+    Returns the committed length the sync leads to.
+    """
+    if sync.base_len > held:
+        raise SessionOutOfSync(f"sync base_len {sync.base_len} exceeds the {held} tokens this worker holds")
+    check_token_ids(sync.append_ids, vocab_size, "synced token ids (sync.append_ids)")
+    return sync.base_len + len(sync.append_ids)
+
+
+def apply_sync(committed: list[int], sync: SequenceSync, vocab_size: int) -> None:
+    """Bring a worker's committed tokens in step with the orchestrator's, in place; nothing changes on error."""
+    check_sync(len(committed), sync, vocab_size)
     del committed[sync.base_len :]
     committed.extend(sync.append_ids)
 
@@ -130,6 +147,4 @@ def validate_prompt(prompt_ids: Sequence[int], vocab_size: int, context_length: 
         raise InvalidRequest("prompt is empty: send at least one token")
     if len(prompt_ids) >= context_length:
         raise InvalidRequest(f"prompt has {len(prompt_ids)} tokens; the model's context holds {context_length}, so it must be shorter")
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    check_token_ids(prompt_ids, vocab_size, "prompt token ids")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import secrets
 
+from specdec.core.errors import InvalidRequest
 from specdec.core.sessions import SessionRecord, SpecCounters
 from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 from specdec.orchestrator.loop import Chunk, FinishReason
@@ -20,6 +21,8 @@ _MODE = {pb.SPECULATION_MODE_FIXED: SpeculationMode.FIXED, pb.SPECULATION_MODE_A
 
 
 def policy_from_pb(msg: pb.SpeculationPolicy, default: SpeculationPolicy) -> SpeculationPolicy:
+    if msg.mode != pb.SPECULATION_MODE_UNSPECIFIED and msg.mode not in _MODE:  # proto3 enums are open
+        raise InvalidRequest(f"speculation.mode {msg.mode} is unknown: use SPECULATION_MODE_FIXED or SPECULATION_MODE_ADAPTIVE")
     mode = _MODE.get(msg.mode, default.mode)
     k = msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else default.num_speculative_tokens
     k_max = msg.max_speculative_tokens or max(default.max_speculative_tokens, k)
@@ -31,7 +34,7 @@ def request_from_pb(msg: pb.GenerateRequest, config: OrchestratorConfig) -> Gene
     sampling = sampling_from_pb(msg.sampling, default_seed=secrets.randbits(63))
     which = msg.WhichOneof("prompt")
     return GenerationRequest(
-        prompt_text=msg.text if which == "text" else ("" if which is None else None),
+        prompt_text=msg.text if which == "text" else None,  # neither set: validate() asks for a prompt
         prompt_ids=tuple(msg.token_ids.ids) if which == "token_ids" else None,
         max_new_tokens=msg.max_new_tokens,
         sampling=sampling,

@@ -25,12 +25,13 @@ class Detokenizer:
         """Append tokens; return the new text that is safe to show. Sets ``stopped`` on a stop string."""
         self._ids.extend(token_ids)
         text = self._decode()
-        for s in self._stop:
-            at = text.find(s, max(0, self._emitted - len(s) + 1))
-            if at != -1:
-                self.stopped = True
-                text = text[:at] if at >= self._emitted else text[: self._emitted]
-                return self._take(text, len(text))
+        # The earliest match of any stop string, not the first stop string in the list that matches.
+        hits = [at for s in self._stop if (at := text.find(s, max(0, self._emitted - len(s) + 1))) != -1]
+        if hits:
+            at = min(hits)
+            self.stopped = True
+            text = text[:at] if at >= self._emitted else text[: self._emitted]
+            return self._take(text, len(text))
         safe = len(text)
         while safe > self._emitted and text[safe - 1] == "\ufffd":
             safe -= 1

@@ -88,7 +88,10 @@ class Orchestrator:
         status, reason = SessionStatus.FAILED, ""
         try:
             await self.store.create(record)
-            await asyncio.gather(self.drafter.open(spec), self.verifier.open(spec))
+            # Wait for both opens even if one fails, so _release cannot race an open still in flight.
+            for result in await asyncio.gather(self.drafter.open(spec), self.verifier.open(spec), return_exceptions=True):
+                if isinstance(result, BaseException):
+                    raise result
             async for chunk in self._loop(request, spec):
                 if chunk.finish_reason is not None:
                     status, reason = SessionStatus.FINISHED, chunk.finish_reason.value

@@ -34,6 +34,7 @@ class DraftConfig:
     draft_model_path: str | None = None  # None: only model-free drafters
     target_model_path: str | None = None  # if set, the draft's tokenizer is checked against it at start-up
     proposal_top_k: int = 32  # a model drafter samples from, and sends, its top-K renormalised distribution
+    fast_draft_forward: bool = True  # lean Llama decode path (specdec.core.llama_decode) when supported
     ngram_max: int = 3
     ngram_min: int = 1
     max_sessions: int = 256

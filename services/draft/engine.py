@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass
 
 from specdec.core.errors import InvalidRequest
-from specdec.core.session_table import SessionTable
+from specdec.core.session_table import SessionTable, check_session_id
 from specdec.core.steps import DraftProposal, SequenceSync, SessionSpec, WorkerInfo, apply_sync, validate_prompt
 from specdec.draft.drafters import DraftConfig, Drafter, DraftSession, build_drafters, pick
 
@@ -16,6 +16,7 @@ MAX_SPECULATIVE_TOKENS = 64
 class _Session:
     drafter: DraftSession
     committed: list[int]
+    vocab_size: int  # token ids synced in must be below this
 
 
 class DraftEngine:
@@ -38,17 +39,18 @@ class DraftEngine:
 
     def open(self, spec: SessionSpec) -> int:
         t0 = time.perf_counter_ns()
+        check_session_id(spec.session_id)  # before the prefill, not after it
         drafter = pick(self.drafters, spec.drafter)
-        vocab = drafter.vocab_size or (1 << 31) - 1
+        vocab = drafter.vocab_size or (1 << 31) - 1  # model-free drafters: any non-negative int32
         validate_prompt(spec.prompt_ids, vocab, self.context_length)
-        self.sessions.add(spec.session_id, _Session(drafter.open(spec.prompt_ids, spec.sampling), list(spec.prompt_ids)))
+        self.sessions.add(spec.session_id, _Session(drafter.open(spec.prompt_ids, spec.sampling), list(spec.prompt_ids), vocab))
         return time.perf_counter_ns() - t0
 
     def draft(self, session_id: str, sync: SequenceSync, num_speculative_tokens: int) -> DraftProposal:
         if not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise InvalidRequest(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {num_speculative_tokens}")
         session = self.sessions.get(session_id)
-        apply_sync(session.committed, sync)
+        apply_sync(session.committed, sync, session.vocab_size)
         # Never draft past the model's context: the verifier would refuse the step.
         room = max(0, self.context_length - len(session.committed) - 1)
         return session.drafter.propose(session.committed, min(num_speculative_tokens, room))

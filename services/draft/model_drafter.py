@@ -14,7 +14,9 @@ from collections.abc import Sequence
 import torch
 
 from specdec.core import rng
+from specdec.core import llama_decode
 from specdec.core.kv import KVSequence
+from specdec.core.llama_decode import LlamaDecoder
 from specdec.core.models import LoadedModel, check_same_tokenizer, load_causal_lm
 from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from
 from specdec.core.steps import DraftProposal, SparseDistribution
@@ -30,8 +32,8 @@ def truncate_top_k(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
 
 
 class ModelDraftSession:
-    def __init__(self, model: torch.nn.Module, sampling: SamplingParams, proposal_top_k: int) -> None:
-        self._kv = KVSequence(model)
+    def __init__(self, model: torch.nn.Module, decoder: LlamaDecoder | None, sampling: SamplingParams, proposal_top_k: int) -> None:
+        self._kv = KVSequence(model, decoder)
         self._sampling = sampling
         self._top_k = proposal_top_k
 
@@ -61,15 +63,17 @@ class ModelDraftSession:
 class ModelDrafter:
     name = "model"
 
-    def __init__(self, loaded: LoadedModel, proposal_top_k: int) -> None:
+    def __init__(self, loaded: LoadedModel, proposal_top_k: int, fast: bool = True) -> None:
         if proposal_top_k < 1:
             raise ValueError(f"proposal_top_k must be >= 1, got {proposal_top_k}")
         self.loaded = loaded
         self.vocab_size = loaded.vocab_size
         self._top_k = proposal_top_k
+        # The lean decode path when the architecture allows; drafts need speed, not bit-exactness.
+        self.decoder = LlamaDecoder(loaded.model) if fast and llama_decode.supports(loaded.model) else None
 
     def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> ModelDraftSession:
-        session = ModelDraftSession(self.loaded.model, sampling, self._top_k)
+        session = ModelDraftSession(self.loaded.model, self.decoder, sampling, self._top_k)
         session.prefill(prompt_ids)
         return session
 
@@ -85,7 +89,7 @@ def _build(config: DraftConfig) -> ModelDrafter | None:
 
         target_tok = AutoTokenizer.from_pretrained(config.target_model_path, local_files_only=True)
         check_same_tokenizer(_TokenizerOnly(config.target_model_path, target_tok), draft)
-    return ModelDrafter(draft, config.proposal_top_k)
+    return ModelDrafter(draft, config.proposal_top_k, fast=config.fast_draft_forward)
 
 
 class _TokenizerOnly:

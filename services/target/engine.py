@@ -11,7 +11,7 @@ from specdec.core.kv import KVSequence
 from specdec.core.models import LoadedModel, load_causal_lm
 from specdec.core.rejection import rejection_sample
 from specdec.core.sampling import SamplingParams, probs_from_logits
-from specdec.core.session_table import SessionTable
+from specdec.core.session_table import SessionTable, check_session_id
 from specdec.core.steps import (
     DraftProposal,
     SequenceSync,
@@ -20,6 +20,7 @@ from specdec.core.steps import (
     WorkerInfo,
     apply_sync,
     check_room,
+    check_sync,
     dense_draft_probs,
     validate_prompt,
 )
@@ -54,6 +55,7 @@ class VerifierEngine:
 
     def open(self, spec: SessionSpec) -> int:
         t0 = time.perf_counter_ns()
+        check_session_id(spec.session_id)  # before the prefill, not after it
         validate_prompt(spec.prompt_ids, self.loaded.vocab_size, self.loaded.context_length)
         session = _Session(KVSequence(self.loaded.model), list(spec.prompt_ids), spec.sampling)
         # Prefill all but the last prompt token's successor: the first Verify feeds only drafts.
@@ -64,11 +66,12 @@ class VerifierEngine:
     def verify(self, session_id: str, sync: SequenceSync, proposal: DraftProposal) -> VerifyOutcome:
         t0 = time.perf_counter_ns()
         s = self.sessions.get(session_id)
-        apply_sync(s.committed, sync)
+        # Validate everything before touching the session: a refused step leaves it as it was.
+        n = check_sync(len(s.committed), sync, self.loaded.vocab_size)
         k = len(proposal.token_ids)
-        n = len(s.committed)
         check_room(n, k, self.loaded.context_length)
         draft_probs = dense_draft_probs(proposal, self.loaded.vocab_size)  # [k, vocab] or None
+        apply_sync(s.committed, sync, self.loaded.vocab_size)
         logits = s.kv.logits_for(s.committed + list(proposal.token_ids), k + 1)  # [k+1, vocab]
         target_probs = probs_from_logits(logits, s.sampling)  # [k+1, vocab]
         seed = s.sampling.seed

@@ -1,0 +1,56 @@
+"""KV-cache bookkeeping: exact rollback, and the lean Llama decode path against the HF forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from specdec.core.kv import KVSequence, crop_to
+from specdec.core.llama_decode import LlamaDecoder, supports
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def full_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def test_crop_to_keeps_exactly_length_positions(model):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3, 4, 5]]), cache=cache, use_cache=True)
+    crop_to(cache, 3)
+    assert cache.get_seq_length() == 3
+    crop_to(cache, 3)  # no-op
+    assert cache.get_seq_length() == 3
+    with pytest.raises(ValueError):
+        crop_to(cache, 4)
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["hf", "lean"])
+def test_rejected_branch_leaves_no_trace(model, lean):
+    kv = KVSequence(model, LlamaDecoder(model) if lean else None)
+    prompt = [5, 6, 7, 8]
+    kv.logits_for(prompt, 1)
+    kv.logits_for(prompt + [50, 51, 52], 4)  # a draft branch that gets rejected
+    after = kv.logits_for(prompt + [9, 10], 2)  # the committed branch
+    assert torch.allclose(after, full_logits(model, prompt + [9, 10])[-2:], atol=1e-5)
+    # Re-asking for tokens already cached still returns their logits.
+    again = kv.logits_for(prompt + [9, 10], 1)
+    assert torch.allclose(again, full_logits(model, prompt + [9, 10])[-1:], atol=1e-5)
+
+
+def test_lean_decoder_matches_hf_forward(model):
+    assert supports(model)
+    dec = LlamaDecoder(model)
+    cache = dec.new_cache()
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    pieces = [dec.forward(cache, ids[:6], 0), dec.forward(cache, ids[6:9], 6), dec.forward(cache, ids[9:], 9)]
+    assert torch.allclose(torch.cat(pieces), full_logits(model, ids), atol=1e-5)
