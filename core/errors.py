@@ -32,3 +32,11 @@ class ModelMismatch(SpecdecError):
 
 class ModelNotFound(SpecdecError):
     """A model path is missing or holds no loadable model."""
+
+
+class WorkerUnavailable(SpecdecError):
+    """A draft or target worker could not be reached or did not answer in time (maps to UNAVAILABLE)."""
+
+
+class DeadlineExceeded(SpecdecError):
+    """The request's deadline passed while it waited on a worker (maps to DEADLINE_EXCEEDED)."""

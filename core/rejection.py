@@ -55,6 +55,9 @@ def rejection_sample(
     elif draft_probs.shape != (batch, k, vocab):
         raise ValueError(f"draft_probs must be [batch, k, vocab] = [{batch}, {k}, {vocab}], got {list(draft_probs.shape)}")
     draft_probs = draft_probs.to(target_probs.dtype)
+    if accept_uniforms.shape != (batch, k) or sample_uniforms.shape != (batch, k + 1):
+        raise ValueError(f"uniforms must be [batch, k] and [batch, k+1] = [{batch}, {k}] and [{batch}, {k + 1}], "
+                         f"got {list(accept_uniforms.shape)} and {list(sample_uniforms.shape)}")
 
     ids = draft_token_ids.unsqueeze(-1)  # [batch, k, 1]
     p_x = target_probs[:, :k].gather(-1, ids).squeeze(-1)  # [batch, k]

@@ -13,6 +13,9 @@ import torch
 from specdec.core.errors import InvalidRequest
 
 
+MIN_TEMPERATURE = 1e-4
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen. ``temperature == 0`` means greedy (argmax, ties to the lowest id)."""
@@ -27,6 +30,9 @@ class SamplingParams:
             raise InvalidRequest(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature}")
         if math.isinf(self.temperature):
             raise InvalidRequest("temperature must be finite")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # logits / T overflows to inf below this; such a temperature is greedy in all but name.
+            raise InvalidRequest(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}")
         if self.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -1,20 +1,14 @@
 """A worker's open sessions, with idle expiry so a vanished orchestrator cannot leak them."""
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from specdec.core.errors import InvalidRequest, Overloaded, SessionNotFound
+from specdec.core.sessions import check_session_id
 
 T = TypeVar("T")
-SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
-
-
-def check_session_id(session_id: str) -> None:
-    if not SESSION_ID.match(session_id):
-        raise InvalidRequest(f"session id {session_id[:40]!r} is not 32 lowercase hex characters (a 128-bit random id)")
 
 
 class SessionTable(Generic[T]):

@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 from specdec.core.errors import CorruptRecord, InvalidRequest, SessionNotFound
 
 # Session ids end up inside Redis keys (as a Cluster hash tag), so no braces, colons or globs.
-_SESSION_ID_RE = re.compile(r"[0-9A-Za-z_-]{1,128}")
+_SESSION_ID_RE = re.compile(r"[0-9a-f]{32}")
 
 _INT32_CODE = "i"
 assert array.array(_INT32_CODE).itemsize == 4, "this platform's C int is not 32 bits"
@@ -38,9 +38,9 @@ def new_session_id() -> str:
 
 
 def check_session_id(session_id: str) -> str:
-    """Return `session_id` if it is 1-128 characters of [0-9A-Za-z_-]; raise InvalidRequest if not."""
+    """Return `session_id` if it is what new_session_id makes (32 lowercase hex); raise InvalidRequest if not."""
     if not isinstance(session_id, str) or not _SESSION_ID_RE.fullmatch(session_id):
-        raise InvalidRequest(f"session id {session_id!r} is not 1-128 characters of [0-9A-Za-z_-]")
+        raise InvalidRequest(f"session id {str(session_id)[:40]!r} is not 32 lowercase hex characters (a 128-bit random id)")
     return session_id
 
 

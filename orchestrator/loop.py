@@ -8,13 +8,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import secrets
-import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from specdec.core.errors import InvalidRequest, Overloaded
-from specdec.core.sampling import SamplingParams
 from specdec.core.sessions import SessionRecord, SessionStatus, SessionStore, SpecCounters, new_session_id
 from specdec.core.speculation import SpeculationController
 from specdec.core.steps import DraftWorker, SequenceSync, SessionSpec, VerifyWorker, validate_prompt
@@ -54,6 +51,7 @@ class TargetInfo:
     vocab_size: int
     context_length: int
     eos_token_id: int | None
+    drafters: tuple[str, ...] = ()  # names the draft worker serves; empty: let the worker decide
 
 
 class Orchestrator:
@@ -80,6 +78,8 @@ class Orchestrator:
         if self.running >= self.config.max_concurrent_requests:
             raise Overloaded(f"{self.running} requests running, the limit is {self.config.max_concurrent_requests}; retry later")
         drafter_name = request.drafter or self.config.default_drafter
+        if self.target.drafters and drafter_name not in self.target.drafters:
+            raise InvalidRequest(f"unknown drafter {drafter_name!r}; this deployment serves {sorted(self.target.drafters)}")
         sampling = request.sampling
         session_id = new_session_id()
         record = SessionRecord.new(prompt_ids, _params_json(request, drafter_name), sampling.seed, session_id)
@@ -172,10 +172,6 @@ class Orchestrator:
         if finish is None and len(token_ids) >= remaining:
             finish = FinishReason.LENGTH
         return tuple(tokens), finish, text
-
-
-def pick_seed(sampling: SamplingParams | None) -> SamplingParams:
-    return sampling if sampling is not None else SamplingParams(seed=secrets.randbits(63))
 
 
 def _params_json(request: GenerationRequest, drafter: str) -> dict:

@@ -1,11 +1,14 @@
 """The client-facing gRPC Generation service: decode -> run the loop -> encode."""
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from specdec.core.sessions import check_session_id
 from specdec.orchestrator import convert
 from specdec.orchestrator.loop import Orchestrator, collect
+from specdec.orchestrator.remote import request_deadline
 from specdec.rpc.status import rpc_errors, stream_errors
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 
@@ -18,11 +21,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @rpc_errors
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> generation_pb2.GenerateResponse:
+        propagate_deadline(context)
         req = convert.request_from_pb(request, self.orch.config)
         return convert.response_to_pb(*await collect(self.orch.generate(req)))
 
     @stream_errors
     async def GenerateStream(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        propagate_deadline(context)
         req = convert.request_from_pb(request, self.orch.config)
         async for chunk in self.orch.generate(req):
             yield convert.chunk_to_pb(chunk)
@@ -31,6 +36,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GetSession(self, request: generation_pb2.GetSessionRequest, context: grpc.aio.ServicerContext) -> generation_pb2.SessionInfo:
         check_session_id(request.session_id)
         return convert.record_to_pb(await self.orch.store.get(request.session_id))
+
+
+def propagate_deadline(context: grpc.aio.ServicerContext) -> None:
+    """Worker calls for this request get at most the client's remaining time (the handler's own task
+    holds this context variable, so concurrent requests do not see each other's deadlines)."""
+    remaining = context.time_remaining()
+    request_deadline.set(None if remaining is None else time.monotonic() + remaining)
 
 
 def register(orchestrator: Orchestrator):

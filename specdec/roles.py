@@ -34,7 +34,7 @@ def embedded(target: TargetConfig, draft: DraftConfig, config: OrchestratorConfi
     verifier = VerifierEngine.from_config(target)
     drafter = DraftEngine.from_config(draft)
     loaded = verifier.loaded
-    info = TargetInfo(loaded.tokenizer, loaded.vocab_size, loaded.context_length, loaded.eos_token_id)
+    info = TargetInfo(loaded.tokenizer, loaded.vocab_size, loaded.context_length, loaded.eos_token_id, tuple(drafter.drafters))
     return Orchestrator(info, AsyncDraftEngine(drafter, threaded=False), AsyncVerifierEngine(verifier, threaded=False),
                         store or InMemorySessionStore(config.session_ttl_s), config)
 
@@ -71,9 +71,9 @@ async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, s
     drafter = RemoteDraftWorker(upstreams.drafter_address, upstreams.timeout_s)
     verifier = RemoteVerifyWorker(upstreams.verifier_address, upstreams.timeout_s)
     status = await _wait_for(verifier.status, wait_s, f"verifier at {upstreams.verifier_address}")
-    await _wait_for(drafter.status, wait_s, f"drafter at {upstreams.drafter_address}")
+    draft_status = await _wait_for(drafter.status, wait_s, f"drafter at {upstreams.drafter_address}")
     tokenizer = AutoTokenizer.from_pretrained(upstreams.tokenizer_path, local_files_only=True)
-    info = TargetInfo(tokenizer, status.vocab_size, status.context_length, tokenizer.eos_token_id)
+    info = TargetInfo(tokenizer, status.vocab_size, status.context_length, tokenizer.eos_token_id, draft_status.drafters)
     orch = Orchestrator(info, drafter, verifier, store, config)
     return await start_server(server, servicer.register(orch), [servicer.SERVICE_NAME]), orch
 

@@ -16,7 +16,7 @@ from specdec.core.errors import SessionNotFound
 from specdec.core.sampling import SamplingParams
 from specdec.core.session_table import SessionTable
 from specdec.core.sessions import SessionStatus
-from specdec.core.steps import SequenceSync, SessionSpec
+from specdec.core.steps import DraftProposal, SequenceSync, SessionSpec
 from specdec.draft.drafters import DraftConfig
 from specdec.draft.engine import DraftEngine
 from specdec.draft.ngram import NgramDrafter
@@ -197,10 +197,4 @@ def test_verify_worker_reaps_a_session_never_closed(tiny_pair):
     clock.now += 2
     assert engine.status().active_sessions == 0
     with pytest.raises(SessionNotFound):
-        engine.verify(sid, SequenceSync(3), engine_proposal())
-
-
-def engine_proposal():
-    from specdec.core.steps import DraftProposal
-
-    return DraftProposal(())
+        engine.verify(sid, SequenceSync(3), DraftProposal(()))

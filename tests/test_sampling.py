@@ -30,6 +30,7 @@ def support(probs: torch.Tensor) -> list[list[int]]:
     "kwargs, field",
     [
         ({"temperature": math.nan}, "temperature"),
+        ({"temperature": 1e-38}, "temperature"),  # logits / T would overflow to inf
         ({"temperature": -0.5}, "temperature"),
         ({"temperature": -1e-12}, "temperature"),
         ({"temperature": math.inf}, "temperature"),
@@ -57,7 +58,7 @@ def test_invalid_params_raise_invalid_request_naming_the_field(kwargs, field):
         {},
         {"temperature": 0.0},
         {"temperature": 0},
-        {"temperature": 1e-6},
+        {"temperature": 1e-4},  # the smallest non-greedy temperature (MIN_TEMPERATURE)
         {"temperature": 100.0},
         {"top_p": 1.0},
         {"top_p": 1e-9},

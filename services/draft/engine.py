@@ -5,7 +5,8 @@ import time
 from dataclasses import dataclass
 
 from specdec.core.errors import InvalidRequest
-from specdec.core.session_table import SessionTable, check_session_id
+from specdec.core.session_table import SessionTable
+from specdec.core.sessions import check_session_id
 from specdec.core.steps import DraftProposal, SequenceSync, SessionSpec, WorkerInfo, apply_sync, validate_prompt
 from specdec.draft.drafters import DraftConfig, Drafter, DraftSession, build_drafters, pick
 

@@ -11,7 +11,8 @@ from specdec.core.kv import KVSequence
 from specdec.core.models import LoadedModel, load_causal_lm
 from specdec.core.rejection import rejection_sample
 from specdec.core.sampling import SamplingParams, probs_from_logits
-from specdec.core.session_table import SessionTable, check_session_id
+from specdec.core.session_table import SessionTable
+from specdec.core.sessions import check_session_id
 from specdec.core.steps import (
     DraftProposal,
     SequenceSync,

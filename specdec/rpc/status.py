@@ -18,6 +18,8 @@ STATUS: dict[type[errors.SpecdecError], grpc.StatusCode] = {
     errors.CorruptRecord: grpc.StatusCode.DATA_LOSS,
     errors.ModelMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ModelNotFound: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.WorkerUnavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -55,10 +57,14 @@ def stream_errors(method):
     return wrapper
 
 
-def raise_for(err: grpc.aio.AioRpcError) -> None:
-    """Client side: turn a worker's status back into the core error, so it propagates with meaning."""
+def raise_for(err: grpc.aio.AioRpcError, worker: str) -> None:
+    """Client side: turn a worker's status back into the core error, so it propagates with meaning.
+
+    Anything the worker did not report as a caller's mistake (its own crash, a lost connection)
+    becomes WorkerUnavailable: the client sees UNAVAILABLE, which it may retry, never UNKNOWN.
+    """
     code = err.code()
-    for cls, status in STATUS.items():
-        if status == code and cls not in (errors.ModelMismatch, errors.ModelNotFound):
+    for cls in (errors.InvalidRequest, errors.SessionNotFound, errors.SessionOutOfSync, errors.Overloaded, errors.DeadlineExceeded):
+        if STATUS[cls] == code:
             raise cls(err.details() or code.name) from err
-    raise err
+    raise errors.WorkerUnavailable(f"{worker}: {code.name}: {err.details()}") from err

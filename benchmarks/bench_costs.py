@@ -1,0 +1,119 @@
+"""Cost and acceptance figures of a target/draft pair (the model card's numbers).
+
+    python benchmarks/bench_costs.py [--target PATH --draft PATH] [--prompts 8]
+
+Reports, measured in one run with alternating repetitions and medians (FINDINGS.md):
+  target_step_ms        one decode step of the target (HF forward with a KV cache, as the verifier runs it)
+  verify_cost_ratio[k]  a verification of k draft tokens (k+1 positions in one forward) / one decode step
+  draft_step_ms         one draft token: HF forward, and the lean decode path the drafter uses
+  c                     draft_step (lean) / target_step
+  alpha_k1              greedy acceptance at k=1 (accepted / drafted) on held-out prompts
+  tokens_per_step[k]    committed tokens per verification at fixed k, and the alpha that fits it
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+import torch
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import DEMO, held_out_prompts, median  # noqa: E402
+
+
+def step_times(kv_factory, prompt_ids, feed: int, reps: int) -> list[float]:
+    """Time feeding `feed` new tokens after the prompt, rolling back each time."""
+    kv = kv_factory()
+    kv.logits_for(prompt_ids, 1)
+    extra = [(prompt_ids[i % len(prompt_ids)] + 1) % 100 + 10 for i in range(feed)]
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        kv.logits_for(prompt_ids + extra, feed)
+        times.append(time.perf_counter() - t0)
+        kv.logits_for(prompt_ids, 1)  # roll back (re-feeds the last prompt token only)
+    return times
+
+
+def fit_alpha(tokens_per_step: float, k: int) -> float:
+    lo, hi = 0.0, 0.9999
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if (1 - mid ** (k + 1)) / (1 - mid) < tokens_per_step:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default=str(DEMO / "target"))
+    ap.add_argument("--draft", default=str(DEMO / "draft"))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from specdec import roles
+    from specdec.core.kv import KVSequence
+    from specdec.core.llama_decode import LlamaDecoder
+    from specdec.core.models import load_causal_lm
+    from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+    from specdec.draft.drafters import DraftConfig
+    from specdec.orchestrator.loop import collect
+    from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
+    from specdec.target.engine import TargetConfig
+
+    target, draft = load_causal_lm(args.target), load_causal_lm(args.draft)
+    prompts = held_out_prompts(args.prompts, Path(args.target).parent)
+    prompt_ids = target.tokenizer(prompts[0])["input_ids"][:64]
+    decoder = LlamaDecoder(draft.model)
+
+    t_feed = {n: [] for n in range(1, 10)}
+    d_hf, d_lean = [], []
+    for _ in range(3):  # alternate configurations, pool the repetitions
+        for n in t_feed:
+            t_feed[n] += step_times(lambda: KVSequence(target.model), prompt_ids, n, args.reps // 3)
+        d_hf += step_times(lambda: KVSequence(draft.model), prompt_ids, 1, args.reps)
+        d_lean += step_times(lambda: KVSequence(draft.model, decoder), prompt_ids, 1, args.reps)
+    t1 = median(t_feed[1])
+    result = {
+        "target_parameters": sum(p.numel() for p in target.model.parameters()),
+        "draft_parameters": sum(p.numel() for p in draft.model.parameters()),
+        "target_step_ms": round(t1 * 1e3, 3),
+        "verify_cost_ratio": {k: round(median(t_feed[k + 1]) / t1, 3) for k in range(1, 9)},
+        "draft_step_ms_hf": round(median(d_hf) * 1e3, 3),
+        "draft_step_ms_lean": round(median(d_lean) * 1e3, 3),
+        "c": round(median(d_lean) / t1, 4),
+        "c_hf_forward": round(median(d_hf) / t1, 4),
+    }
+
+    orch = roles.embedded(TargetConfig(args.target), DraftConfig(args.draft, args.target), OrchestratorConfig())
+    per_k = {}
+    for k in (1, 2, 4, 6):
+        drafted = accepted = steps = 0
+        for p in prompts:
+            req = GenerationRequest(prompt_text=p, max_new_tokens=args.max_new_tokens, drafter="model",
+                                    policy=SpeculationPolicy(SpeculationMode.FIXED, k, max(k, 8)))
+            last, _, _ = asyncio.run(collect(orch.generate(req)))
+            c = last.counters
+            drafted, accepted, steps = drafted + c.draft_tokens, accepted + c.accepted_tokens, steps + c.drafts
+        tps = 1 + accepted / max(1, steps)
+        per_k[k] = {"acceptance_rate": round(accepted / max(1, drafted), 4), "tokens_per_step": round(tps, 3),
+                    "alpha_fit": round(fit_alpha(tps, k), 4)}
+    result["alpha_k1"] = per_k[1]["acceptance_rate"]
+    result["by_k"] = per_k
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
