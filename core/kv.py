@@ -60,7 +60,10 @@ class KVSequence:
         """Logits predicting the token after each of the last ``num_last`` of ``token_ids``: [num_last, vocab]."""
         if not 1 <= num_last <= len(token_ids):
             raise ValueError(f"num_last must be in [1, {len(token_ids)}], got {num_last}")
-        keep = min(common_prefix_len(self._cached_ids, token_ids), len(token_ids) - num_last)
+        cached = self._cached_ids
+        # The usual case (the cache is a prefix of the request) is one C-speed slice comparison.
+        prefix = len(cached) if list(token_ids[: len(cached)]) == cached else common_prefix_len(cached, token_ids)
+        keep = min(prefix, len(token_ids) - num_last)
         if keep < len(self._cached_ids):
             if self._decoder is None:
                 crop_to(self._cache, keep)

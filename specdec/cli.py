@@ -215,9 +215,10 @@ def _up(args) -> int:
                                          *(["--redis-url", args.redis_url] if role == "orchestrator" else [])])
         for role in ("target", "draft", "orchestrator")
     }
-    print(f"specdec up: orchestrator {args.host}:{ports['orchestrator']}, draft :{ports['draft']}, target :{ports['target']}; "
-          f"sessions in {args.redis_url}. Try: specdec generate --server {args.host}:{ports['orchestrator']} \"def fib(n):\"", flush=True)
+    print(f"specdec up: starting orchestrator {args.host}:{ports['orchestrator']}, draft :{ports['draft']}, "
+          f"target :{ports['target']}; sessions in {args.redis_url}", flush=True)
     stopping = False
+    ready = False
 
     def stop(*_):
         nonlocal stopping
@@ -231,6 +232,9 @@ def _up(args) -> int:
             if dead:
                 print(f"specdec up: {', '.join(dead)} exited; stopping the others", file=sys.stderr)
                 break
+            if not ready and _healthy(f"{args.host}:{ports['orchestrator']}"):
+                ready = True
+                print(f"specdec up: ready. Try: specdec generate --server {args.host}:{ports['orchestrator']} \"def fib(n):\"", flush=True)
             time.sleep(0.2)
     finally:
         for p in procs.values():
@@ -242,6 +246,18 @@ def _up(args) -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
     return 0 if stopping else 1
+
+
+def _healthy(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="specdec.v1.Generation"), timeout=0.5)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def main(argv: list[str] | None = None) -> int:

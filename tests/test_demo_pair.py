@@ -1,0 +1,75 @@
+"""The committed demo pair (models/demo), loaded through the public loading path like any user model."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.core.models import check_same_tokenizer, load_causal_lm
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+pytestmark = pytest.mark.skipif(not (DEMO / "target" / "config.json").is_file(), reason="demo pair not built (scripts/train_demo_pair.py)")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, draft = load_causal_lm(DEMO / "target"), load_causal_lm(DEMO / "draft")
+    check_same_tokenizer(target, draft)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def held_out_texts() -> list[str]:
+    card = json.loads((DEMO / "training.json").read_text())
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [(stdlib / rel).read_text(encoding="utf-8") for rel in card["training"]["held_out_list"][:6] if (stdlib / rel).is_file()]
+
+
+def test_artifacts_are_small_half_precision_safetensors():
+    files = [p for p in DEMO.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) <= 40 * 2**20
+    for name in ("target", "draft"):
+        assert (DEMO / name / "model.safetensors").is_file()
+        assert json.loads((DEMO / name / "config.json").read_text())["dtype"] in ("float16", "bfloat16")
+
+
+def test_tokenizer_round_trips_held_out_code(pair, held_out_texts):
+    tok = pair[0].tokenizer
+    assert held_out_texts, "the held-out files of the model card are not on this machine"
+    for text in held_out_texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids, clean_up_tokenization_spaces=False) == text
+
+
+def test_greedy_speculation_equals_target_only(pair, held_out_texts):
+    from specdec.core.sessions import InMemorySessionStore
+    from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+    from specdec.draft.drafters import DraftConfig
+    from specdec.draft.engine import AsyncDraftEngine, DraftEngine
+    from specdec.draft.model_drafter import ModelDrafter
+    from specdec.orchestrator.loop import Orchestrator, TargetInfo, collect
+    from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
+    from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
+
+    target, draft = pair
+    verifier = VerifierEngine(target, TargetConfig(target.path))
+    drafter = DraftEngine({"model": ModelDrafter(draft, 32)}, DraftConfig(draft.path), draft.context_length)
+    info = TargetInfo(target.tokenizer, target.vocab_size, target.context_length, target.eos_token_id, ("model",))
+    orch = Orchestrator(info, AsyncDraftEngine(drafter, False), AsyncVerifierEngine(verifier, False), InMemorySessionStore(), OrchestratorConfig())
+    accepted = drafted = 0
+    for i, text in enumerate(held_out_texts[:3]):
+        at = text.find("\ndef ", 200 * i) + 1
+        prompt = text[at : at + 120]
+        ids = target.tokenizer(prompt)["input_ids"]
+        with torch.inference_mode():
+            ref = target.model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=target.eos_token_id)
+        req = GenerationRequest(prompt_text=prompt, max_new_tokens=32, policy=SpeculationPolicy(SpeculationMode.FIXED, 4))
+        last, out, _ = asyncio.run(collect(orch.generate(req)))
+        assert out == tuple(ref[0, len(ids):].tolist()), prompt
+        accepted += last.counters.accepted_tokens
+        drafted += last.counters.draft_tokens
+    assert accepted / drafted > 0.3, "a trained pair should agree on far more than a third of greedy tokens"
