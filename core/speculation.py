@@ -52,7 +52,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 class SpeculationController:
     """Per-request state: call ``next_k()`` before each step and ``observe()`` after it."""
 
-    def __init__(self, policy: SpeculationPolicy, prior_accepted: float = 2.0, prior_rejected: float = 1.0, decay: float = 0.9) -> None:
+    def __init__(self, policy: SpeculationPolicy, prior_accepted: float = 2.0, prior_rejected: float = 1.0, decay: float = 0.8) -> None:
         self.policy = policy
         self._accepted = prior_accepted  # Beta(a, b) pseudo-counts, forgotten geometrically
         self._rejected = prior_rejected
