@@ -1,7 +1,9 @@
 """Streaming detokenization with stop strings.
 
 Byte-level BPE tokens can split a multi-byte character, so text is emitted only up to the last
-complete character (a trailing U+FFFD is held back until the next token completes it). Stop strings
+complete character (a trailing U+FFFD is held back until the next token completes it). Decoding is
+incremental (TGI's prefix/read offsets): each step decodes only the last few tokens, so a long
+generation costs O(n), not O(n^2), in the tokenizer. Stop strings
 are searched in the whole text; text that could still be the start of a stop string is held back so
 a stop string is never partly streamed.
 """
@@ -15,11 +17,25 @@ class Detokenizer:
         self._tok = tokenizer
         self._stop = tuple(stop)
         self._ids: list[int] = []
+        self._text = ""  # decoded text of self._ids[:self._read], complete characters only
+        self._prefix = 0  # tokens before this index are never decoded again
+        self._read = 0  # tokens before this index are in self._text
         self._emitted = 0  # characters of the decoded text already returned
         self.stopped = False
 
-    def _decode(self) -> str:
-        return self._tok.decode(self._ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def _decode_ids(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _decode(self, flush: bool = False) -> str:
+        """The text of all tokens so far; without ``flush``, an incomplete trailing character waits."""
+        if self._read < len(self._ids):
+            # Decode from a few tokens back so byte-level merges across the boundary come out right.
+            before = self._decode_ids(self._ids[self._prefix : self._read])
+            after = self._decode_ids(self._ids[self._prefix :])
+            if flush or not after.endswith("\ufffd"):
+                self._text += after[len(before) :]
+                self._prefix, self._read = self._read, len(self._ids)
+        return self._text
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the new text that is safe to show. Sets ``stopped`` on a stop string."""
@@ -46,7 +62,7 @@ class Detokenizer:
         """Whatever text is still held back (call once, when generation ends without a stop string)."""
         if self.stopped:
             return ""
-        text = self._decode()
+        text = self._decode(flush=True)
         return self._take(text, len(text))
 
     def _take(self, text: str, end: int) -> str:
