@@ -1,6 +1,8 @@
 """Write models/demo/README.md (the model card) from the measured figures.
 
-    python scripts/write_model_card.py --costs costs.json --decode decode.json
+    python benchmarks/bench_costs.py > models/demo/costs.json
+    python benchmarks/bench_decode.py --out models/demo/speed.json
+    python scripts/write_model_card.py
 
 training.json comes from scripts/train_demo_pair.py; costs.json from benchmarks/bench_costs.py;
 decode.json from benchmarks/bench_decode.py --out. Nothing here is typed in by hand.
@@ -16,8 +18,8 @@ DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--costs", type=Path, required=True)
-    ap.add_argument("--decode", type=Path, required=True)
+    ap.add_argument("--costs", type=Path, default=DEMO / "costs.json")
+    ap.add_argument("--decode", type=Path, default=DEMO / "speed.json")
     args = ap.parse_args()
     card = json.loads((DEMO / "training.json").read_text())
     costs = json.loads(args.costs.read_text())
@@ -27,6 +29,14 @@ def main() -> None:
     ratios = " | ".join(f"{v:.2f}" for v in costs["verify_cost_ratio"].values())
     by_k = "\n".join(f"| {k} | {v['acceptance_rate']:.3f} | {v['tokens_per_step']:.2f} | {v['alpha_fit']:.3f} |" for k, v in costs["by_k"].items())
     methods = "\n".join(f"| {m} | {v['tokens_per_s']:.1f} | {v['speedup_vs_target_only']:.2f}x |" for m, v in decode["methods"].items())
+    bar = [
+        ("target held-out bits per byte <= 1.15", t["held_out_bits_per_byte"] <= 1.15, f"{t['held_out_bits_per_byte']:.3f}"),
+        ("greedy acceptance alpha (k = 1) >= 0.65", costs["alpha_k1"] >= 0.65, f"{costs['alpha_k1']:.3f}"),
+        ("c <= 0.12", costs["c"] <= 0.12, f"{costs['c']:.3f}"),
+        ("verifying 4 tokens <= 1.25x a decode step", costs["verify_cost_ratio"]["4"] <= 1.25, f"{costs['verify_cost_ratio']['4']:.2f}x"),
+        ("training <= 100 minutes", tr["total_training_seconds"] <= 6000, f"{tr['total_training_seconds'] / 60:.0f} min"),
+    ]
+    bar_rows = "\n".join(f"| {name} | {value} | {'met' if ok else '**not met**'} |" for name, ok, value in bar)
     text = f"""# specdec demo pair
 
 A small Llama **target** and **draft** trained from scratch on CPU by `scripts/train_demo_pair.py` on
@@ -49,6 +59,12 @@ file from `training.json`, `benchmarks/bench_costs.py` and `benchmarks/bench_dec
   {tr['target_phase_seconds'] / 60:.0f} min), fp32, seed {tr['seed']}; weights shipped in float16 and
   loaded in float32. The draft is trained beside the target (half next-token loss, half KL to the
   target's logits), then distilled alone from the finished target.
+
+## Against the release bar (issue 3)
+
+| target | measured | |
+|---|---|---|
+{bar_rows}
 
 ## Costs on this machine (2 cores, no AVX-512)
 
