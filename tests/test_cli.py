@@ -102,3 +102,16 @@ def test_up_runs_three_processes_against_redis(tiny_pair, redis_url):
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
+
+
+async def test_servers_offer_health_and_reflection(cluster):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    for server, service in zip(cluster.servers, ["specdec.v1.Drafter", "specdec.v1.Verifier", "specdec.v1.Generation"]):
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            replies = [r async for r in stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))]
+            names = {s.name for s in replies[0].list_services_response.service}
+            assert service in names and "grpc.health.v1.Health" in names
