@@ -12,7 +12,6 @@ Reports, measured in one run with alternating repetitions and medians (FINDINGS.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -23,7 +22,7 @@ import torch
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import DEMO, held_out_prompts, median  # noqa: E402
+from common import pair_arguments, held_out_prompts, median  # noqa: E402
 
 
 def step_times(kv_factory, prompt_ids, feed: int, reps: int) -> list[float]:
@@ -52,11 +51,7 @@ def fit_alpha(tokens_per_step: float, k: int) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default=str(DEMO / "target"))
-    ap.add_argument("--draft", default=str(DEMO / "draft"))
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap = pair_arguments(__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()

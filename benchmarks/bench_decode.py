@@ -12,7 +12,6 @@ Greedy everywhere, so every method must produce the same tokens; the script chec
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -25,7 +24,7 @@ import torch
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import DEMO, Timer, held_out_prompts, median  # noqa: E402
+from common import pair_arguments, Timer, held_out_prompts, median  # noqa: E402
 
 
 def free_base_port() -> int:
@@ -35,11 +34,7 @@ def free_base_port() -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default=str(DEMO / "target"))
-    ap.add_argument("--draft", default=str(DEMO / "draft"))
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap = pair_arguments(__doc__.splitlines()[0])
     ap.add_argument("--skip-3proc", action="store_true")
     ap.add_argument("--out", help="write the JSON result here too")
     args = ap.parse_args()

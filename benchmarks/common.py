@@ -1,6 +1,7 @@
 """Shared helpers for benchmarks: prompts from held-out files, timing, models."""
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sysconfig
@@ -41,3 +42,13 @@ class Timer:
 
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.t0
+
+
+def pair_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every benchmark shares: which pair, how many prompts, how long."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--target", default=str(DEMO / "target"))
+    ap.add_argument("--draft", default=str(DEMO / "draft"))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    return ap
