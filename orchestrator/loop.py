@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from specdec.core.errors import InvalidRequest, Overloaded
 from specdec.core.sessions import SessionRecord, SessionStatus, SessionStore, SpecCounters, new_session_id
 from specdec.core.speculation import SpeculationController
-from specdec.core.steps import DraftWorker, SequenceSync, SessionSpec, VerifyWorker, validate_prompt
+from specdec.core.steps import DraftProposal, DraftWorker, SequenceSync, SessionSpec, VerifyWorker, validate_prompt
 from specdec.orchestrator.detokenize import Detokenizer
 from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
 
@@ -129,7 +129,8 @@ class Orchestrator:
         controller = SpeculationController(request.policy)
         detok = Detokenizer(target.tokenizer, request.stop)
         committed_len = len(spec.prompt_ids)
-        drafter_sync = SequenceSync(committed_len)
+        drafter_len = committed_len  # committed tokens the drafter holds
+        unsynced: list[int] = []  # committed since, not yet sent to the drafter
         generated = 0
         counters = SpecCounters()
         common = dict(session_id=spec.session_id, seed=spec.sampling.seed, prompt_tokens=len(spec.prompt_ids))
@@ -137,12 +138,16 @@ class Orchestrator:
             remaining = request.max_new_tokens - generated
             room = target.context_length - committed_len
             k = max(0, min(controller.next_k(), remaining - 1, room - 1))
-            proposal = await self.drafter.draft(spec.session_id, drafter_sync, k)
+            if k > 0:
+                proposal = await self.drafter.draft(spec.session_id, SequenceSync(drafter_len, tuple(unsynced)), k)
+                drafter_len, unsynced = committed_len, []
+            else:  # plain decoding step: no hop to the drafter; it catches up at its next draft
+                proposal = DraftProposal(())
             outcome = await self.verifier.verify(spec.session_id, SequenceSync(committed_len), proposal)
             drafted = len(proposal.token_ids)
             controller.observe(drafted, outcome.num_accepted)
             counters = counters.plus(SpecCounters(int(drafted > 0), drafted, outcome.num_accepted, 1))
-            drafter_sync = SequenceSync(committed_len, outcome.token_ids)
+            unsynced.extend(outcome.token_ids)
             committed_len = outcome.committed_len
 
             tokens, finish, text = self._emit(outcome.token_ids, remaining, detok)

@@ -106,3 +106,11 @@ async def test_redis_record_holds_exactly_the_committed_tokens(cluster, redis_ur
     info = await cluster.stub.GetSession(pb.GetSessionRequest(session_id=reply.session_id))
     assert tuple(info.output_token_ids) == tuple(reply.token_ids)
     assert await cluster.active_sessions() == (0, 0)
+
+
+async def test_k0_is_plain_decoding_through_the_same_loop(cluster, tiny_pair):
+    target_path, _ = tiny_pair
+    for prompt in prompts(3):
+        reply = await cluster.stub.Generate(request(prompt, 0, "model"))
+        assert tuple(reply.token_ids) == reference_greedy(target_path, prompt, MAX_NEW)
+        assert reply.stats.draft_tokens == 0 and reply.stats.verify_steps == len(reply.token_ids)
