@@ -113,9 +113,7 @@ def apply_sync(committed: list[int], sync: SequenceSync, vocab_size: int) -> Non
 def dense_draft_probs(proposal: DraftProposal, vocab_size: int) -> torch.Tensor | None:
     """Validate a proposal's sparse distributions and expand them: [k, vocab] float32, or None."""
     k = len(proposal.token_ids)
-    for tok in proposal.token_ids:
-        if not 0 <= tok < vocab_size:
-            raise InvalidRequest(f"draft token id {tok} is outside the target's vocabulary [0, {vocab_size})")
+    check_token_ids(proposal.token_ids, vocab_size, "draft token ids")
     if proposal.distributions is None or k == 0:
         return None
     if len(proposal.distributions) != k:

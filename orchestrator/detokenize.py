@@ -48,9 +48,7 @@ class Detokenizer:
             self.stopped = True
             text = text[:at] if at >= self._emitted else text[: self._emitted]
             return self._take(text, len(text))
-        safe = len(text)
-        while safe > self._emitted and text[safe - 1] == "\ufffd":
-            safe -= 1
+        safe = len(text)  # _decode already holds back an incomplete trailing character
         for s in self._stop:  # hold back a suffix that may grow into a stop string
             for n in range(min(len(s) - 1, safe - self._emitted), 0, -1):
                 if text[safe - n : safe] == s[:n]:

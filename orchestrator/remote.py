@@ -19,6 +19,10 @@ request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
 
 
 class _Remote:
+    """What both workers share: OpenSession, CloseSession, GetWorkerStatus (subclasses set ``_stub``)."""
+
+    _stub: drafter_pb2_grpc.DrafterStub | verifier_pb2_grpc.VerifierStub
+
     def __init__(self, address: str, timeout_s: float) -> None:
         self.address = address
         self._timeout = timeout_s
@@ -34,6 +38,17 @@ class _Remote:
         except grpc.aio.AioRpcError as err:
             raise_for(err, f"{type(self).__name__.removeprefix('Remote')} at {self.address}")
 
+    async def open(self, spec: SessionSpec) -> int:
+        return (await self._call(self._stub.OpenSession, wire.spec_to_pb(spec))).prefill_time_ns
+
+    async def close(self, session_id: str) -> bool:
+        # Cleanup outlives the request: an expired client deadline must not stop the release.
+        req = common_pb2.CloseSessionRequest(session_id=session_id)
+        return (await self._call(self._stub.CloseSession, req, within_deadline=False)).existed
+
+    async def status(self) -> WorkerInfo:
+        return wire.worker_info_from_pb(await self._call(self._stub.GetWorkerStatus, common_pb2.WorkerStatusRequest()))
+
     async def aclose(self) -> None:
         await self._channel.close()
 
@@ -43,20 +58,9 @@ class RemoteDraftWorker(_Remote):
         super().__init__(address, timeout_s)
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
 
-    async def open(self, spec: SessionSpec) -> int:
-        return (await self._call(self._stub.OpenSession, wire.spec_to_pb(spec))).prefill_time_ns
-
     async def draft(self, session_id: str, sync: SequenceSync, num_speculative_tokens: int) -> DraftProposal:
         req = drafter_pb2.DraftRequest(session_id=session_id, sync=wire.sync_to_pb(sync), num_speculative_tokens=num_speculative_tokens)
         return wire.proposal_from_pb(await self._call(self._stub.Draft, req))
-
-    async def close(self, session_id: str) -> bool:
-        # Cleanup outlives the request: an expired client deadline must not stop the release.
-        req = common_pb2.CloseSessionRequest(session_id=session_id)
-        return (await self._call(self._stub.CloseSession, req, within_deadline=False)).existed
-
-    async def status(self) -> WorkerInfo:
-        return wire.worker_info_from_pb(await self._call(self._stub.GetWorkerStatus, common_pb2.WorkerStatusRequest()))
 
 
 class RemoteVerifyWorker(_Remote):
@@ -64,16 +68,5 @@ class RemoteVerifyWorker(_Remote):
         super().__init__(address, timeout_s)
         self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
 
-    async def open(self, spec: SessionSpec) -> int:
-        return (await self._call(self._stub.OpenSession, wire.spec_to_pb(spec))).prefill_time_ns
-
     async def verify(self, session_id: str, sync: SequenceSync, proposal: DraftProposal) -> VerifyOutcome:
         return wire.outcome_from_pb(await self._call(self._stub.Verify, wire.verify_request_to_pb(session_id, sync, proposal)))
-
-    async def close(self, session_id: str) -> bool:
-        # Cleanup outlives the request: an expired client deadline must not stop the release.
-        req = common_pb2.CloseSessionRequest(session_id=session_id)
-        return (await self._call(self._stub.CloseSession, req, within_deadline=False)).existed
-
-    async def status(self) -> WorkerInfo:
-        return wire.worker_info_from_pb(await self._call(self._stub.GetWorkerStatus, common_pb2.WorkerStatusRequest()))

@@ -14,9 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from specdec.core import rng
-from specdec.core import llama_decode
 from specdec.core.kv import KVSequence
-from specdec.core.llama_decode import LlamaDecoder
+from specdec.core.llama_decode import LlamaDecoder, supports
 from specdec.core.models import LoadedModel, check_same_tokenizer, load_causal_lm
 from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from
 from specdec.core.steps import DraftProposal, SparseDistribution
@@ -70,7 +69,7 @@ class ModelDrafter:
         self.vocab_size = loaded.vocab_size
         self._top_k = proposal_top_k
         # The lean decode path when the architecture allows; drafts need speed, not bit-exactness.
-        self.decoder = LlamaDecoder(loaded.model) if fast and llama_decode.supports(loaded.model) else None
+        self.decoder = LlamaDecoder(loaded.model) if fast and supports(loaded.model) else None
 
     def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> ModelDraftSession:
         session = ModelDraftSession(self.loaded.model, self.decoder, sampling, self._top_k)
