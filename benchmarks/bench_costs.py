@@ -3,10 +3,12 @@
     python benchmarks/bench_costs.py [--target PATH --draft PATH] [--prompts 8]
 
 Reports, measured in one run with alternating repetitions and medians (FINDINGS.md):
-  target_step_ms        one decode step of the target (HF forward with a KV cache, as the verifier runs it)
+  target_step_ms        one decode step of the target, through the verifier's forward (the lean
+                        Llama path, oneDNN-packed weights) with a KV cache
   verify_cost_ratio[k]  a verification of k draft tokens (k+1 positions in one forward) / one decode step
-  draft_step_ms         one draft token: HF forward, and the lean decode path the drafter uses
-  c                     draft_step (lean) / target_step
+  draft_step_ms_lean    one draft token through the drafter's forward (the same lean path)
+  c                     draft_step_ms_lean / target_step_ms
+  *_hf                  the same through the reference HF forward (--reference-forward)
   alpha_k1              greedy acceptance at k=1 (accepted / drafted) on held-out prompts
   tokens_per_step[k]    committed tokens per verification at fixed k, and the alpha that fits it
 """
@@ -52,43 +54,50 @@ def fit_alpha(tokens_per_step: float, k: int) -> float:
 
 def main() -> int:
     ap = pair_arguments(__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     from specdec import roles
     from specdec.core.kv import KVSequence
-    from specdec.core.llama_decode import LlamaDecoder
     from specdec.core.models import load_causal_lm
     from specdec.core.speculation import SpeculationMode, SpeculationPolicy
-    from specdec.draft.drafters import DraftConfig
+    from specdec.draft.drafters import DraftConfig, build_drafters
     from specdec.orchestrator.loop import collect
     from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
-    from specdec.target.engine import TargetConfig
+    from specdec.target.engine import TargetConfig, VerifierEngine
 
     target, draft = load_causal_lm(args.target), load_causal_lm(args.draft)
     prompts = held_out_prompts(args.prompts, Path(args.target).parent)
     prompt_ids = target.tokenizer(prompts[0])["input_ids"][:64]
-    decoder = LlamaDecoder(draft.model)
-
-    t_feed = {n: [] for n in range(1, 10)}
-    d_hf, d_lean = [], []
+    # Built exactly as the verifier and the drafter build them.
+    verifier = VerifierEngine(target, TargetConfig(args.target))
+    drafter = build_drafters(DraftConfig(args.draft))["model"]
+    forwards = {
+        "target": lambda: KVSequence(target.model, verifier.decoder),
+        "target_hf": lambda: KVSequence(target.model),
+        "draft": lambda: KVSequence(draft.model, drafter.decoder),
+        "draft_hf": lambda: KVSequence(draft.model),
+    }
+    feeds = {"target": range(1, 10), "target_hf": range(1, 10), "draft": (1,), "draft_hf": (1,)}
+    times = {(name, n): [] for name in forwards for n in feeds[name]}
     for _ in range(3):  # alternate configurations, pool the repetitions
-        for n in t_feed:
-            t_feed[n] += step_times(lambda: KVSequence(target.model), prompt_ids, n, args.reps // 3)
-        d_hf += step_times(lambda: KVSequence(draft.model), prompt_ids, 1, args.reps)
-        d_lean += step_times(lambda: KVSequence(draft.model, decoder), prompt_ids, 1, args.reps)
-    t1 = median(t_feed[1])
+        for name, make in forwards.items():
+            for n in feeds[name]:
+                times[name, n] += step_times(make, prompt_ids, n, args.reps // 3)
+    step = {name: median(times[name, 1]) for name in forwards}
     result = {
         "target_parameters": sum(p.numel() for p in target.model.parameters()),
         "draft_parameters": sum(p.numel() for p in draft.model.parameters()),
-        "target_step_ms": round(t1 * 1e3, 3),
-        "verify_cost_ratio": {k: round(median(t_feed[k + 1]) / t1, 3) for k in range(1, 9)},
-        "draft_step_ms_hf": round(median(d_hf) * 1e3, 3),
-        "draft_step_ms_lean": round(median(d_lean) * 1e3, 3),
-        "c": round(median(d_lean) / t1, 4),
-        "c_hf_forward": round(median(d_hf) / t1, 4),
+        "target_step_ms": round(step["target"] * 1e3, 3),
+        "verify_cost_ratio": {k: round(median(times["target", k + 1]) / step["target"], 3) for k in range(1, 9)},
+        "draft_step_ms_lean": round(step["draft"] * 1e3, 3),
+        "c": round(step["draft"] / step["target"], 4),
+        "target_step_ms_hf": round(step["target_hf"] * 1e3, 3),
+        "verify_cost_ratio_hf": {k: round(median(times["target_hf", k + 1]) / step["target_hf"], 3) for k in range(1, 9)},
+        "draft_step_ms_hf": round(step["draft_hf"] * 1e3, 3),
+        "c_hf": round(step["draft_hf"] / step["target_hf"], 4),
     }
 
     orch = roles.embedded(TargetConfig(args.target), DraftConfig(args.draft, args.target), OrchestratorConfig())

@@ -5,8 +5,11 @@
 Methods, run alternately prompt by prompt so machine noise hits all alike (FINDINGS.md):
   target_only_hf     transformers generate(), greedy, the target alone (the baseline)
   assisted_hf        transformers assisted generation with the same draft (assistant_model=)
+  specdec_k0         specdec with k = 0: target-only decoding through specdec's own forward (lean,
+                     oneDNN-packed), so speculation's share of the speed-up can be told from the forward's
   specdec_inproc     specdec, all roles in one process (the embedded path), model drafter, adaptive k
   specdec_inproc_k4  the same with fixed k = 4
+  specdec_inproc_hf  adaptive k with both models on the reference HF forward (--reference-forward)
   specdec_3proc      specdec over gRPC: orchestrator, draft and target as three processes (`specdec up`)
 Greedy everywhere, so every method must produce the same tokens; the script checks that.
 """
@@ -53,6 +56,8 @@ def main() -> int:
     target = AutoModelForCausalLM.from_pretrained(args.target, local_files_only=True, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(args.draft, local_files_only=True, dtype=torch.float32).eval()
     orch = roles.embedded(TargetConfig(args.target), DraftConfig(args.draft, args.target), OrchestratorConfig())
+    orch_hf = roles.embedded(TargetConfig(args.target, fast_forward=False),
+                             DraftConfig(args.draft, args.target, fast_draft_forward=False), OrchestratorConfig())
     prompts = held_out_prompts(args.prompts, Path(args.target).parent)
     N = args.max_new_tokens
 
@@ -65,9 +70,9 @@ def main() -> int:
             out = target.generate(ids, **kw)
         return tuple(out[0, ids.shape[1]:].tolist()), None
 
-    def specdec_inproc(prompt, policy):
+    def specdec_inproc(prompt, policy, orchestrator=orch):
         req = GenerationRequest(prompt_text=prompt, max_new_tokens=N, drafter="model", policy=policy)
-        last, ids, _ = asyncio.run(collect(orch.generate(req)))
+        last, ids, _ = asyncio.run(collect(orchestrator.generate(req)))
         return ids, last.counters
 
     stub = None
@@ -99,8 +104,10 @@ def main() -> int:
     methods = {
         "target_only_hf": lambda p: hf(p),
         "assisted_hf": lambda p: hf(p, draft),
+        "specdec_k0": lambda p: specdec_inproc(p, SpeculationPolicy(SpeculationMode.FIXED, 0)),
         "specdec_inproc": lambda p: specdec_inproc(p, SpeculationPolicy()),
         "specdec_inproc_k4": lambda p: specdec_inproc(p, SpeculationPolicy(SpeculationMode.FIXED, 4)),
+        "specdec_inproc_hf": lambda p: specdec_inproc(p, SpeculationPolicy(), orch_hf),
     }
     if stub is not None:
         methods["specdec_3proc"] = specdec_3proc
@@ -133,12 +140,14 @@ def main() -> int:
             procs.wait(timeout=30)
 
     base_tps = tokens["target_only_hf"] / sum(times["target_only_hf"])
+    k0_tps = tokens["specdec_k0"] / sum(times["specdec_k0"])
     result = {
         "prompts": len(prompts), "max_new_tokens": N, "outputs_identical": not mismatches, "mismatches": mismatches,
         "specdec_inproc_acceptance_rate": round(accepted / max(1, drafted), 4),
         "methods": {
             m: {"tokens_per_s": round(tokens[m] / sum(times[m]), 2),
                 "speedup_vs_target_only": round(tokens[m] / sum(times[m]) / base_tps, 3),
+                "speedup_vs_specdec_k0": round(tokens[m] / sum(times[m]) / k0_tps, 3),
                 "median_s_per_prompt": round(median(times[m]), 3)}
             for m in methods
         },

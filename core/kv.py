@@ -36,7 +36,7 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 class KVSequence:
     """One sequence's KV cache and the token ids it covers.
 
-    With a ``LlamaDecoder`` (specdec.core.llama_decode) the cache is its preallocated buffer and a
+    With a ``LlamaDecoder`` (specdec.core.llama_decode) the cache is its own growing buffer and a
     crop is just a shorter valid length; otherwise it is the model's own HF ``DynamicCache``.
     """
 
@@ -70,8 +70,10 @@ class KVSequence:
             del self._cached_ids[keep:]  # the decoder's buffer past `keep` is simply overwritten later
         new = list(token_ids[keep:])
         if self._decoder is not None:
-            logits = self._decoder.forward(self._cache, new, keep)  # [len(new), vocab]
-        else:
-            logits = self._model(input_ids=torch.tensor([new]), cache=self._cache, use_cache=True).logits[0]
+            return self._extend(new, self._decoder.forward(self._cache, new, keep, num_last))  # [num_last, vocab]
+        logits = self._model(input_ids=torch.tensor([new]), cache=self._cache, use_cache=True, logits_to_keep=num_last).logits[0]
+        return self._extend(new, logits[-num_last:])  # [num_last, vocab]
+
+    def _extend(self, new: list[int], logits: torch.Tensor) -> torch.Tensor:
         self._cached_ids.extend(new)
-        return logits[-num_last:]  # [num_last, vocab]
+        return logits

@@ -43,6 +43,8 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
     if draft:
         p.add_argument("--draft", help=f"draft model folder (default: ${ENV_DRAFT} or the demo pair)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per model process")
+    p.add_argument("--reference-forward", action="store_true",
+                   help="run models through the HF forward instead of specdec's lean decode path (slower; for checking)")
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:
@@ -113,7 +115,9 @@ async def _generate_embedded(args) -> int:
     target = model_path(args.target, ENV_TARGET, "target")
     draft = model_path(args.draft, ENV_DRAFT, "draft") if args.drafter == "model" else (args.draft or os.environ.get(ENV_DRAFT))
     request = request_from_args(args)
-    orch = roles.embedded(TargetConfig(target, threads=args.threads), DraftConfig(draft, target, threads=args.threads),
+    fast = not args.reference_forward
+    orch = roles.embedded(TargetConfig(target, threads=args.threads, fast_forward=fast),
+                          DraftConfig(draft, target, threads=args.threads, fast_draft_forward=fast),
                           OrchestratorConfig(default_drafter=args.drafter))
     t0 = time.perf_counter()
     ids: list[int] = []
@@ -183,11 +187,13 @@ async def _serve(args) -> int:
 
         draft = None if args.no_draft_model else model_path(args.draft, ENV_DRAFT, "draft")
         target = args.target or os.environ.get(ENV_TARGET)
-        running, _ = await roles.start_draft(DraftConfig(draft, target, threads=args.threads), server)
+        config = DraftConfig(draft, target, threads=args.threads, fast_draft_forward=not args.reference_forward)
+        running, _ = await roles.start_draft(config, server)
     elif args.role == "target":
         from specdec.target.engine import TargetConfig
 
-        running, _ = await roles.start_target(TargetConfig(model_path(args.target, ENV_TARGET, "target"), threads=args.threads), server)
+        config = TargetConfig(model_path(args.target, ENV_TARGET, "target"), threads=args.threads, fast_forward=not args.reference_forward)
+        running, _ = await roles.start_target(config, server)
     else:
         from specdec.orchestrator.request import OrchestratorConfig
 
@@ -208,6 +214,8 @@ def _up(args) -> int:
     common = [sys.executable, "-m", "specdec", "serve", "--host", args.host, "--target", target, "--draft", draft]
     if args.threads:
         common += ["--threads", str(args.threads)]
+    if args.reference_forward:
+        common += ["--reference-forward"]
     procs = {
         role: subprocess.Popen(common + [role, "--port", str(ports[role]),
                                          "--drafter-address", f"{args.host}:{ports['draft']}",

@@ -29,6 +29,11 @@ def test_generate_json_in_one_process(tiny_pair):
     assert result["usage"]["completion_tokens"] == len(result["token_ids"]) == 12
     assert result["finish_reason"] == "length"
     assert result["stats"]["draft_tokens"] > 0 and result["stats"]["verify_steps"] >= 1
+    # The reference HF forward gives the same greedy tokens as the default lean forward.
+    ref = specdec("generate", "def add(a, b):", "--target", target, "--draft", draft, "--max-new-tokens", "12", "-k", "3",
+                  "--json", "--reference-forward")
+    assert ref.returncode == 0, ref.stderr
+    assert json.loads(ref.stdout)["token_ids"] == result["token_ids"]
 
 
 def test_generate_without_models_says_how_to_pass_one(tmp_path, monkeypatch):

@@ -54,3 +54,20 @@ def test_lean_decoder_matches_hf_forward(model):
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
     pieces = [dec.forward(cache, ids[:6], 0), dec.forward(cache, ids[6:9], 6), dec.forward(cache, ids[9:], 9)]
     assert torch.allclose(torch.cat(pieces), full_logits(model, ids), atol=1e-5)
+
+
+@pytest.mark.parametrize("pack_rows", [None, 8], ids=["mkl", "onednn-packed"])
+def test_lean_cache_grows_past_its_first_allocation_and_matches_hf(pack_rows):
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=200, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    dec = LlamaDecoder(model, pack_rows=pack_rows)
+    ids = [(i * 37) % 97 for i in range(150)]
+    kv = KVSequence(model, dec)
+    kv.logits_for(ids[:50], 1)
+    got = torch.cat([kv.logits_for(ids[:end], end - start) for start, end in ((50, 60), (60, 61), (61, 150))])
+    assert torch.allclose(got, full_logits(model, ids)[50:], atol=1e-4)
+    cache = dec.new_cache()
+    with pytest.raises(ValueError, match="context length 200"):
+        dec.forward(cache, ids + ids[:51], 0)

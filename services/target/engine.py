@@ -8,6 +8,7 @@ import torch
 
 from specdec.core import rng
 from specdec.core.kv import KVSequence
+from specdec.core.llama_decode import LlamaDecoder, supports
 from specdec.core.models import LoadedModel, load_causal_lm
 from specdec.core.rejection import rejection_sample
 from specdec.core.sampling import SamplingParams, probs_from_logits
@@ -33,6 +34,11 @@ class TargetConfig:
     max_sessions: int = 256
     idle_timeout_s: float = 300.0
     threads: int | None = None
+    # The lean Llama forward with oneDNN-packed weights (specdec.core.llama_decode): verifying k
+    # drafts then costs little more than one step. False, or a model it does not support, runs the
+    # reference HF forward. Either way the verifier's forward defines the target distribution.
+    fast_forward: bool = True
+    pack_rows: int = 8  # verification feeds 1 + k rows; pack the weights for about that many
 
 
 @dataclass
@@ -49,6 +55,8 @@ class VerifierEngine:
         self.loaded = loaded
         self.config = config
         self.sessions: SessionTable[_Session] = SessionTable(config.max_sessions, config.idle_timeout_s)
+        fast = config.fast_forward and supports(loaded.model)
+        self.decoder = LlamaDecoder(loaded.model, pack_rows=config.pack_rows) if fast else None
 
     @classmethod
     def from_config(cls, config: TargetConfig) -> "VerifierEngine":
@@ -58,7 +66,7 @@ class VerifierEngine:
         t0 = time.perf_counter_ns()
         check_session_id(spec.session_id)  # before the prefill, not after it
         validate_prompt(spec.prompt_ids, self.loaded.vocab_size, self.loaded.context_length)
-        session = _Session(KVSequence(self.loaded.model), list(spec.prompt_ids), spec.sampling)
+        session = _Session(KVSequence(self.loaded.model, self.decoder), list(spec.prompt_ids), spec.sampling)
         # Prefill all but the last prompt token's successor: the first Verify feeds only drafts.
         session.kv.logits_for(spec.prompt_ids, 1)
         self.sessions.add(spec.session_id, session)
@@ -94,7 +102,6 @@ class VerifierEngine:
     def status(self) -> WorkerInfo:
         self.sessions.reap_idle()
         return WorkerInfo(len(self.sessions), self.loaded.path, self.loaded.vocab_size, self.loaded.context_length)
-
 
 
 class AsyncVerifierEngine:
