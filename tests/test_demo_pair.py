@@ -60,7 +60,7 @@ def test_greedy_speculation_equals_target_only(pair, held_out_texts):
     drafter = DraftEngine({"model": ModelDrafter(draft, 32)}, DraftConfig(draft.path), draft.context_length)
     info = TargetInfo(target.tokenizer, target.vocab_size, target.context_length, target.eos_token_id, ("model",))
     orch = Orchestrator(info, AsyncDraftEngine(drafter, False), AsyncVerifierEngine(verifier, False), InMemorySessionStore(), OrchestratorConfig())
-    accepted = drafted = 0
+    accepted = steps = 0
     for i, text in enumerate(held_out_texts[:3]):
         at = text.find("\ndef ", 200 * i) + 1
         prompt = text[at : at + 120]
@@ -71,5 +71,6 @@ def test_greedy_speculation_equals_target_only(pair, held_out_texts):
         last, out, _ = asyncio.run(collect(orch.generate(req)))
         assert out == tuple(ref[0, len(ids):].tolist()), prompt
         accepted += last.counters.accepted_tokens
-        drafted += last.counters.draft_tokens
-    assert accepted / drafted > 0.3, "a trained pair should agree on far more than a third of greedy tokens"
+        steps += last.counters.drafts
+    # An untrained or mismatched pair commits about 1 token per verification; this pair ~1.9 here.
+    assert 1 + accepted / steps > 1.5, f"{1 + accepted / steps:.2f} tokens per verification: is the draft trained for this target?"
