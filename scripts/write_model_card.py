@@ -26,8 +26,8 @@ def main() -> None:
     decode = json.loads(args.decode.read_text())
     tr, models = card["training"], card["models"]
     t, d = models["target"], models["draft"]
-    ratios = " | ".join(f"{v:.2f}" for v in costs["verify_cost_ratio"].values())
-    ratios_hf = " | ".join(f"{v:.2f}" for v in costs["verify_cost_ratio_hf"].values())
+    ratios = ", ".join(f"{v:.2f}" for v in costs["verify_cost_ratio"].values())
+    ratios_hf = ", ".join(f"{v:.2f}" for v in costs["verify_cost_ratio_hf"].values())
     by_k = "\n".join(f"| {k} | {v['acceptance_rate']:.3f} | {v['tokens_per_step']:.2f} | {v['alpha_fit']:.3f} |" for k, v in costs["by_k"].items())
     methods = "\n".join(
         f"| {m} | {v['tokens_per_s']:.1f} | {v['speedup_vs_target_only']:.2f}x | {v['speedup_vs_specdec_k0']:.2f}x |"
@@ -72,7 +72,7 @@ file from `training.json`, `benchmarks/bench_costs.py` and `benchmarks/bench_dec
 
 ## Costs on this machine (2 cores, no AVX-512)
 
-Both roles run specdec's lean Llama forward (`specdec/core/llama_decode.py`: fused projections,
+Both roles run specdec's lean Llama forward (`core/llama_decode.py`: fused projections,
 oneDNN-packed weights, a growing KV buffer); `--reference-forward` runs the HF forward instead.
 
 | | lean forward (default) | HF forward |
