@@ -70,10 +70,8 @@ class KVSequence:
             del self._cached_ids[keep:]  # the decoder's buffer past `keep` is simply overwritten later
         new = list(token_ids[keep:])
         if self._decoder is not None:
-            return self._extend(new, self._decoder.forward(self._cache, new, keep, num_last))  # [num_last, vocab]
-        logits = self._model(input_ids=torch.tensor([new]), cache=self._cache, use_cache=True, logits_to_keep=num_last).logits[0]
-        return self._extend(new, logits[-num_last:])  # [num_last, vocab]
-
-    def _extend(self, new: list[int], logits: torch.Tensor) -> torch.Tensor:
+            logits = self._decoder.forward(self._cache, new, keep, num_last)
+        else:
+            logits = self._model(input_ids=torch.tensor([new]), cache=self._cache, use_cache=True, logits_to_keep=num_last).logits[0]
         self._cached_ids.extend(new)
-        return logits
+        return logits  # [num_last, vocab]
