@@ -61,19 +61,18 @@ def main() -> int:
 
     from specdec import roles
     from specdec.core.kv import KVSequence
-    from specdec.core.models import load_causal_lm
     from specdec.core.speculation import SpeculationMode, SpeculationPolicy
     from specdec.draft.drafters import DraftConfig, build_drafters
     from specdec.orchestrator.loop import collect
     from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
     from specdec.target.engine import TargetConfig, VerifierEngine
 
-    target, draft = load_causal_lm(args.target), load_causal_lm(args.draft)
+    # Built exactly as the verifier and the drafter build them.
+    verifier = VerifierEngine.from_config(TargetConfig(args.target))
+    drafter = build_drafters(DraftConfig(args.draft))["model"]
+    target, draft = verifier.loaded, drafter.loaded
     prompts = held_out_prompts(args.prompts, Path(args.target).parent)
     prompt_ids = target.tokenizer(prompts[0])["input_ids"][:64]
-    # Built exactly as the verifier and the drafter build them.
-    verifier = VerifierEngine(target, TargetConfig(args.target))
-    drafter = build_drafters(DraftConfig(args.draft))["model"]
     forwards = {
         "target": lambda: KVSequence(target.model, verifier.decoder),
         "target_hf": lambda: KVSequence(target.model),

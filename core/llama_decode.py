@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 INITIAL_CAPACITY = 64  # positions; a cache doubles from here up to the model's context length
+PACK_ROWS = 8  # a verification feeds 1 + k rows; oneDNN packs each weight for about this many
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -93,7 +94,7 @@ class DecodeCache:
 class LlamaDecoder:
     """Weights shared by every sequence of one model. ``pack_rows``: rows per call to pack for (None: no packing)."""
 
-    def __init__(self, model: torch.nn.Module, pack_rows: int | None = 8) -> None:
+    def __init__(self, model: torch.nn.Module, pack_rows: int | None = PACK_ROWS) -> None:
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama; use the HF forward")
         cfg = model.config

@@ -8,7 +8,7 @@ import torch
 
 from specdec.core import rng
 from specdec.core.kv import KVSequence
-from specdec.core.llama_decode import LlamaDecoder, supports
+from specdec.core.llama_decode import PACK_ROWS, LlamaDecoder, supports
 from specdec.core.models import LoadedModel, load_causal_lm
 from specdec.core.rejection import rejection_sample
 from specdec.core.sampling import SamplingParams, probs_from_logits
@@ -38,7 +38,7 @@ class TargetConfig:
     # drafts then costs little more than one step. False, or a model it does not support, runs the
     # reference HF forward. Either way the verifier's forward defines the target distribution.
     fast_forward: bool = True
-    pack_rows: int = 8  # verification feeds 1 + k rows; pack the weights for about that many
+    pack_rows: int = PACK_ROWS
 
 
 @dataclass
