@@ -6,8 +6,10 @@ Reports, measured in one run with alternating repetitions and medians (FINDINGS.
   target_step_ms        one decode step of the target, through the verifier's forward (the lean
                         Llama path, oneDNN-packed weights) with a KV cache
   verify_cost_ratio[k]  a verification of k draft tokens (k+1 positions in one forward) / one decode step
-  draft_step_ms_lean    one draft token through the drafter's forward (the same lean path)
+  draft_step_ms_lean    one draft token through the drafter's forward (the same lean path, in the
+                        drafter's default precision: draft_dtype)
   c                     draft_step_ms_lean / target_step_ms
+  *_fp32                the draft on the lean path in fp32 (where the default is bf16)
   *_hf                  the same through the reference HF forward (--reference-forward)
   alpha_k1              greedy acceptance at k=1 (accepted / drafted) on held-out prompts
   tokens_per_step[k]    committed tokens per verification at fixed k, and the alpha that fits it
@@ -24,7 +26,7 @@ import torch
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import pair_arguments, held_out_prompts, median  # noqa: E402
+from common import machine, pair_arguments, held_out_prompts, median  # noqa: E402
 
 
 def step_times(kv_factory, prompt_ids, feed: int, reps: int) -> list[float]:
@@ -61,6 +63,7 @@ def main() -> int:
 
     from specdec import roles
     from specdec.core.kv import KVSequence
+    from specdec.core.llama_decode import LlamaDecoder
     from specdec.core.speculation import SpeculationMode, SpeculationPolicy
     from specdec.draft.drafters import DraftConfig, build_drafters
     from specdec.orchestrator.loop import collect
@@ -79,7 +82,10 @@ def main() -> int:
         "draft": lambda: KVSequence(draft.model, drafter.decoder),
         "draft_hf": lambda: KVSequence(draft.model),
     }
-    feeds = {"target": range(1, 10), "target_hf": range(1, 10), "draft": (1,), "draft_hf": (1,)}
+    if drafter.decoder is not None and drafter.decoder.dtype != torch.float32:
+        draft_fp32 = LlamaDecoder(draft.model, dtype=torch.float32)
+        forwards["draft_fp32"] = lambda: KVSequence(draft.model, draft_fp32)
+    feeds = {name: range(1, 10) if name.startswith("target") else (1,) for name in forwards}
     times = {(name, n): [] for name in forwards for n in feeds[name]}
     for _ in range(3):  # alternate configurations, pool the repetitions
         for name, make in forwards.items():
@@ -87,6 +93,8 @@ def main() -> int:
                 times[name, n] += step_times(make, prompt_ids, n, args.reps // 3)
     step = {name: median(times[name, 1]) for name in forwards}
     result = {
+        "machine": machine(),
+        "draft_dtype": str(drafter.decoder.dtype if drafter.decoder is not None else draft.model.dtype).removeprefix("torch."),
         "target_parameters": sum(p.numel() for p in target.model.parameters()),
         "draft_parameters": sum(p.numel() for p in draft.model.parameters()),
         "target_step_ms": round(step["target"] * 1e3, 3),
@@ -98,6 +106,9 @@ def main() -> int:
         "draft_step_ms_hf": round(step["draft_hf"] * 1e3, 3),
         "c_hf": round(step["draft_hf"] / step["target_hf"], 4),
     }
+    if "draft_fp32" in step:
+        result["draft_step_ms_fp32"] = round(step["draft_fp32"] * 1e3, 3)
+        result["c_fp32"] = round(step["draft_fp32"] / step["target"], 4)
 
     orch = roles.embedded(TargetConfig(args.target), DraftConfig(args.draft, args.target), OrchestratorConfig())
     per_k = {}

@@ -31,6 +31,27 @@ def held_out_prompts(n: int, card_dir: Path = DEMO, chars: int = 160) -> list[st
     return prompts[::step][:n]
 
 
+def machine() -> dict:
+    """What the figures were measured on: timings only compare within one machine kind."""
+    import os
+    import platform
+
+    import torch
+
+    from specdec.core.llama_decode import native_bf16
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": native_bf16(), "torch": torch.__version__}
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 

@@ -49,6 +49,14 @@ def _plain_linear(weight: torch.Tensor) -> Linear:
     return lambda x: F.linear(x, weight)
 
 
+def native_bf16() -> bool:
+    """True where oneDNN runs bf16 in hardware (AVX512_BF16 / AMX); elsewhere bf16 is emulated and slow."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _onednn_linear(weight: torch.Tensor, rows_hint: int) -> Linear | None:
     """A oneDNN linear on a prepacked copy of ``weight``, or None where this build lacks it or disagrees."""
     try:
@@ -60,8 +68,9 @@ def _onednn_linear(weight: torch.Tensor, rows_hint: int) -> Linear | None:
         def linear(x: torch.Tensor) -> torch.Tensor:
             return op(x, packed, None, "none", [], "")
 
-        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))  # not the global RNG
-        if not torch.allclose(linear(probe), F.linear(probe, weight), atol=1e-4, rtol=1e-4):
+        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)  # not the global RNG
+        tol = 1e-4 if weight.dtype == torch.float32 else 3e-2  # bf16 keeps 8 bits of mantissa
+        if not torch.allclose(linear(probe).float(), F.linear(probe, weight).float(), atol=tol, rtol=tol):
             return None  # a private op: trust it only when it gives the same numbers
         return linear
     except (AttributeError, RuntimeError):
@@ -92,11 +101,23 @@ class DecodeCache:
 
 
 class LlamaDecoder:
-    """Weights shared by every sequence of one model. ``pack_rows``: rows per call to pack for (None: no packing)."""
+    """Weights shared by every sequence of one model. ``pack_rows``: rows per call to pack for (None: no packing).
 
-    def __init__(self, model: torch.nn.Module, pack_rows: int | None = PACK_ROWS) -> None:
+    ``dtype``: float32 (the default; the verifier's distribution) or bfloat16, where weights, activations
+    and the KV cache are bf16 (rotary and the returned logits stay fp32). bf16 halves the bytes each
+    step reads, which is what a small model's step is bound by; it is only offered where the CPU runs
+    bf16 natively, and it changes the numbers, so it suits the drafter (proposals never change what
+    the verifier accepts) and a target only when that target is then always run in bf16.
+    """
+
+    def __init__(self, model: torch.nn.Module, pack_rows: int | None = PACK_ROWS, dtype: torch.dtype = torch.float32) -> None:
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama; use the HF forward")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+        if dtype == torch.bfloat16 and not native_bf16():
+            raise ValueError("bfloat16 decoding needs a CPU with native bf16 (AVX512_BF16 or AMX)")
+        self.dtype = dtype
         cfg = model.config
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
@@ -107,9 +128,15 @@ class LlamaDecoder:
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
         base = model.model
         with torch.no_grad():
-            self.embed = base.embed_tokens.weight.detach().float()
-            self.lm_head = make_linear(model.lm_head.weight.detach().float().contiguous(), pack_rows)
-            self.final_norm = base.norm.weight.detach().float()
+            def cast(w: torch.Tensor) -> torch.Tensor:
+                return w.detach().to(dtype).contiguous()
+
+            def linear(w: torch.Tensor) -> Linear:
+                return make_linear(cast(w), pack_rows)
+
+            self.embed = cast(base.embed_tokens.weight)
+            self.lm_head = linear(model.lm_head.weight)
+            self.final_norm = cast(base.norm.weight)
             self.layers = []
             for layer in base.layers:
                 a, m = layer.self_attn, layer.mlp
@@ -117,15 +144,15 @@ class LlamaDecoder:
                     _rotary_pairs_adjacent(a.q_proj.weight.float(), h, d),
                     _rotary_pairs_adjacent(a.k_proj.weight.float(), kv, d),
                     a.v_proj.weight.float(),
-                ]).contiguous()  # [(h + 2kv) * d, hidden]
-                wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).float().contiguous()  # [2 * inter, hidden]
+                ])  # [(h + 2kv) * d, hidden]
+                wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).float()  # [2 * inter, hidden]
                 self.layers.append((
-                    layer.input_layernorm.weight.detach().float(),
-                    make_linear(wqkv, pack_rows),
-                    make_linear(a.o_proj.weight.detach().float().contiguous(), pack_rows),
-                    layer.post_attention_layernorm.weight.detach().float(),
-                    make_linear(wgu, pack_rows),
-                    make_linear(m.down_proj.weight.detach().float().contiguous(), pack_rows),
+                    cast(layer.input_layernorm.weight),
+                    linear(wqkv),
+                    linear(a.o_proj.weight),
+                    cast(layer.post_attention_layernorm.weight),
+                    linear(wgu),
+                    linear(m.down_proj.weight),
                 ))
             theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
             inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # [d/2]
@@ -136,7 +163,7 @@ class LlamaDecoder:
         return DecodeCache(self._alloc(min(INITIAL_CAPACITY, self.context_length)))
 
     def _alloc(self, capacity: int) -> torch.Tensor:
-        return torch.zeros(len(self.layers), 2, self.n_kv, capacity, self.head_dim)
+        return torch.zeros(len(self.layers), 2, self.n_kv, capacity, self.head_dim, dtype=self.dtype)
 
     def _reserve(self, cache: DecodeCache, end: int) -> None:
         if end <= cache.capacity:
@@ -166,8 +193,8 @@ class LlamaDecoder:
         shape = (self.hidden,)
         for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
             qkv = qkv_proj(F.rms_norm(x, shape, ln1, self.eps))  # [n, (h + 2kv) * d]
-            qk = torch.view_as_complex(qkv[:, : (h + kv) * d].reshape(n, h + kv, d // 2, 2))  # [n, h + kv, d/2]
-            qk = torch.view_as_real(qk * rotary).reshape(n, h + kv, d)  # rotated q and k
+            qk = torch.view_as_complex(qkv[:, : (h + kv) * d].float().reshape(n, h + kv, d // 2, 2))  # [n, h + kv, d/2]
+            qk = torch.view_as_real(qk * rotary).reshape(n, h + kv, d).to(self.dtype)  # rotated q and k
             buf[i, 0, :, start:end] = qk[:, h:].transpose(0, 1)  # keys [kv, n, d]
             buf[i, 1, :, start:end] = qkv[:, (h + kv) * d :].view(n, kv, d).transpose(0, 1)  # values
             # 4-D inputs: with 3-D ones PyTorch's CPU SDPA takes its slow math path (~3x slower here).
@@ -180,4 +207,4 @@ class LlamaDecoder:
             x = x + down_proj(F.silu(gate) * up)
         if num_last is not None:
             x = x[-num_last:]
-        return self.lm_head(F.rms_norm(x, shape, self.final_norm, self.eps))  # [rows, vocab]
+        return self.lm_head(F.rms_norm(x, shape, self.final_norm, self.eps)).float()  # [rows, vocab]

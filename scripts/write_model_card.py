@@ -40,6 +40,11 @@ def main() -> None:
         ("verifying 4 tokens <= 1.25x a decode step", costs["verify_cost_ratio"]["4"] <= 1.25, f"{costs['verify_cost_ratio']['4']:.2f}x"),
         ("training <= 100 minutes", tr["total_training_seconds"] <= 6000, f"{tr['total_training_seconds'] / 60:.0f} min"),
     ]
+    m = costs.get("machine", {})
+    machine_line = (f"{m['cpu']}, {m['cores']} cores, {m['cpu_capability']}, native bf16: {'yes' if m['native_bf16'] else 'no'}, "
+                    f"torch {m['torch']}") if m else "2 cores"
+    draft_fp32_note = (f" (the same draft in fp32: {costs['draft_step_ms_fp32']:.2f} ms a token, c = {costs['c_fp32']:.3f})"
+                       if "draft_step_ms_fp32" in costs else "")
     bar_rows = "\n".join(f"| {name} | {value} | {'met' if ok else '**not met**'} |" for name, ok, value in bar)
     text = f"""# specdec demo pair
 
@@ -60,8 +65,8 @@ file from `training.json`, `benchmarks/bench_costs.py` and `benchmarks/bench_dec
 - Corpus: {tr['train_files']} files ({tr['train_tokens_in_corpus']:,} tokens); {tr['held_out_files']} files
   ({tr['held_out_percent']}%, chosen by a hash of their path) held out. File list SHA-256 `{tr['stdlib_file_list_sha256'][:16]}…`.
 - Training: {tr['total_training_seconds'] / 60:.0f} minutes on {tr['threads']} CPU threads (target phase
-  {tr['target_phase_seconds'] / 60:.0f} min), fp32, seed {tr['seed']}; weights shipped in float16 and
-  loaded in float32. The target trains alone first; the draft is then distilled from the frozen
+  {tr['target_phase_seconds'] / 60:.0f} min), matmuls in {tr.get('matmul_precision', 'fp32')} (fp32 weights,
+  optimizer state and losses), seed {tr['seed']}; weights shipped in float16 and loaded in float32. The target trains alone first; the draft is then distilled from the frozen
   target (0.9 KL to the target's logits, 0.1 next-token loss).
 
 ## Against the release bar (issue 3)
@@ -70,10 +75,11 @@ file from `training.json`, `benchmarks/bench_costs.py` and `benchmarks/bench_dec
 |---|---|---|
 {bar_rows}
 
-## Costs on this machine (2 cores, no AVX-512)
+## Costs on this machine ({machine_line})
 
 Both roles run specdec's lean Llama forward (`core/llama_decode.py`: fused projections,
 oneDNN-packed weights, a growing KV buffer); `--reference-forward` runs the HF forward instead.
+The target runs in fp32; the draft runs in {costs.get('draft_dtype', 'float32')}{draft_fp32_note}.
 
 | | lean forward (default) | HF forward |
 |---|---|---|

@@ -45,6 +45,9 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
     p.add_argument("--threads", type=int, default=None, help="torch threads per model process")
     p.add_argument("--reference-forward", action="store_true",
                    help="run models through the HF forward instead of specdec's lean decode path (slower; for checking)")
+    if draft:
+        p.add_argument("--draft-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                       help="draft model precision on the lean path (auto: bfloat16 where the CPU has native bf16)")
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:
@@ -117,7 +120,7 @@ async def _generate_embedded(args) -> int:
     request = request_from_args(args)
     fast = not args.reference_forward
     orch = roles.embedded(TargetConfig(target, threads=args.threads, fast_forward=fast),
-                          DraftConfig(draft, target, threads=args.threads, fast_draft_forward=fast),
+                          DraftConfig(draft, target, threads=args.threads, fast_draft_forward=fast, draft_dtype=args.draft_dtype),
                           OrchestratorConfig(default_drafter=args.drafter))
     t0 = time.perf_counter()
     ids: list[int] = []
@@ -187,7 +190,8 @@ async def _serve(args) -> int:
 
         draft = None if args.no_draft_model else model_path(args.draft, ENV_DRAFT, "draft")
         target = args.target or os.environ.get(ENV_TARGET)
-        config = DraftConfig(draft, target, threads=args.threads, fast_draft_forward=not args.reference_forward)
+        config = DraftConfig(draft, target, threads=args.threads, fast_draft_forward=not args.reference_forward,
+                             draft_dtype=args.draft_dtype)
         running, _ = await roles.start_draft(config, server)
     elif args.role == "target":
         from specdec.target.engine import TargetConfig
@@ -216,6 +220,7 @@ def _up(args) -> int:
         common += ["--threads", str(args.threads)]
     if args.reference_forward:
         common += ["--reference-forward"]
+    common += ["--draft-dtype", args.draft_dtype]
     procs = {
         role: subprocess.Popen(common + [role, "--port", str(ports[role]),
                                          "--drafter-address", f"{args.host}:{ports['draft']}",

@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specdec.core.kv import KVSequence, crop_to
-from specdec.core.llama_decode import LlamaDecoder, supports
+from specdec.core.llama_decode import LlamaDecoder, native_bf16, supports
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +71,27 @@ def test_lean_cache_grows_past_its_first_allocation_and_matches_hf(pack_rows):
     cache = dec.new_cache()
     with pytest.raises(ValueError, match="context length 200"):
         dec.forward(cache, ids + ids[:51], 0)
+
+
+def test_lean_decoder_rejects_an_unsupported_dtype(model):
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        LlamaDecoder(model, dtype=torch.float16)
+
+
+@pytest.mark.skipif(not native_bf16(), reason="bf16 decoding needs a CPU with native bf16")
+@pytest.mark.parametrize("pack_rows", [None, 8], ids=["plain", "onednn-packed"])
+def test_bf16_decoder_tracks_the_fp32_forward_through_growth_and_rollback(pack_rows):
+    """The drafter's bf16 path: same model, bf16 rounding only. Logits stay close to fp32 and a
+    rejected branch still leaves no trace (the cache is bf16 too)."""
+    torch.manual_seed(2)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=200, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = [(i * 37) % 97 for i in range(120)]
+    want = full_logits(model, ids)
+    kv = KVSequence(model, LlamaDecoder(model, pack_rows=pack_rows, dtype=torch.bfloat16))
+    kv.logits_for(ids[:70] + [1, 2, 3], 3)  # a branch that gets rejected, past the first allocation
+    got = torch.cat([kv.logits_for(ids[:end], end - start) for start, end in ((0, 70), (70, 71), (71, 120))])
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9

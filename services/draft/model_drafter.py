@@ -15,7 +15,7 @@ import torch
 
 from specdec.core import rng
 from specdec.core.kv import KVSequence
-from specdec.core.llama_decode import LlamaDecoder, supports
+from specdec.core.llama_decode import LlamaDecoder, native_bf16, supports
 from specdec.core.models import LoadedModel, check_same_tokenizer, load_causal_lm
 from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from
 from specdec.core.steps import DraftProposal, SparseDistribution
@@ -59,17 +59,30 @@ class ModelDraftSession:
         return DraftProposal(tuple(tokens), distributions, time.perf_counter_ns() - t0)
 
 
+DRAFT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_draft_dtype(name: str) -> torch.dtype:
+    """``auto`` is bf16 where the CPU runs it natively: a draft step reads half the bytes, and the
+    draft's precision never changes what the verifier accepts (only how often)."""
+    if name == "auto":
+        return torch.bfloat16 if native_bf16() else torch.float32
+    if name not in DRAFT_DTYPES:
+        raise ValueError(f"draft dtype must be one of auto, {', '.join(DRAFT_DTYPES)}; got {name!r}")
+    return DRAFT_DTYPES[name]
+
+
 class ModelDrafter:
     name = "model"
 
-    def __init__(self, loaded: LoadedModel, proposal_top_k: int, fast: bool = True) -> None:
+    def __init__(self, loaded: LoadedModel, proposal_top_k: int, fast: bool = True, dtype: torch.dtype = torch.float32) -> None:
         if proposal_top_k < 1:
             raise ValueError(f"proposal_top_k must be >= 1, got {proposal_top_k}")
         self.loaded = loaded
         self.vocab_size = loaded.vocab_size
         self._top_k = proposal_top_k
         # The lean decode path when the architecture allows; drafts need speed, not bit-exactness.
-        self.decoder = LlamaDecoder(loaded.model) if fast and supports(loaded.model) else None
+        self.decoder = LlamaDecoder(loaded.model, dtype=dtype) if fast and supports(loaded.model) else None
 
     def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> ModelDraftSession:
         session = ModelDraftSession(self.loaded.model, self.decoder, sampling, self._top_k)
@@ -81,6 +94,7 @@ class ModelDrafter:
 def _build(config: DraftConfig) -> ModelDrafter | None:
     if not config.draft_model_path:
         return None
+    dtype = resolve_draft_dtype(config.draft_dtype)  # before the load: a typo should fail fast
     draft = load_causal_lm(config.draft_model_path, threads=config.threads)
     if config.target_model_path:
         # Only the tokenizer is needed for the check; loading it is cheap.
@@ -88,7 +102,7 @@ def _build(config: DraftConfig) -> ModelDrafter | None:
 
         target_tok = AutoTokenizer.from_pretrained(config.target_model_path, local_files_only=True)
         check_same_tokenizer(_TokenizerOnly(config.target_model_path, target_tok), draft)
-    return ModelDrafter(draft, config.proposal_top_k, fast=config.fast_draft_forward)
+    return ModelDrafter(draft, config.proposal_top_k, fast=config.fast_draft_forward, dtype=dtype)
 
 
 class _TokenizerOnly:
