@@ -9,7 +9,7 @@ Reports, measured in one run with alternating repetitions and medians (FINDINGS.
   draft_step_ms_lean    one draft token through the drafter's forward (the same lean path, in the
                         drafter's default precision: draft_dtype)
   c                     draft_step_ms_lean / target_step_ms
-  *_fp32                the draft on the lean path in fp32 (where the default is bf16)
+  *_bf16                the draft on the lean path in bf16 (--draft-dtype bfloat16; CPUs with native bf16)
   *_hf                  the same through the reference HF forward (--reference-forward)
   alpha_k1              greedy acceptance at k=1 (accepted / drafted) on held-out prompts
   tokens_per_step[k]    committed tokens per verification at fixed k, and the alpha that fits it
@@ -63,7 +63,7 @@ def main() -> int:
 
     from specdec import roles
     from specdec.core.kv import KVSequence
-    from specdec.core.llama_decode import LlamaDecoder
+    from specdec.core.llama_decode import LlamaDecoder, native_bf16
     from specdec.core.speculation import SpeculationMode, SpeculationPolicy
     from specdec.draft.drafters import DraftConfig, build_drafters
     from specdec.orchestrator.loop import collect
@@ -82,9 +82,9 @@ def main() -> int:
         "draft": lambda: KVSequence(draft.model, drafter.decoder),
         "draft_hf": lambda: KVSequence(draft.model),
     }
-    if drafter.decoder is not None and drafter.decoder.dtype != torch.float32:
-        draft_fp32 = LlamaDecoder(draft.model, dtype=torch.float32)
-        forwards["draft_fp32"] = lambda: KVSequence(draft.model, draft_fp32)
+    if drafter.decoder is not None and native_bf16():
+        draft_bf16 = LlamaDecoder(draft.model, dtype=torch.bfloat16)
+        forwards["draft_bf16"] = lambda: KVSequence(draft.model, draft_bf16)
     feeds = {name: range(1, 10) if name.startswith("target") else (1,) for name in forwards}
     times = {(name, n): [] for name in forwards for n in feeds[name]}
     for _ in range(3):  # alternate configurations, pool the repetitions
@@ -106,9 +106,9 @@ def main() -> int:
         "draft_step_ms_hf": round(step["draft_hf"] * 1e3, 3),
         "c_hf": round(step["draft_hf"] / step["target_hf"], 4),
     }
-    if "draft_fp32" in step:
-        result["draft_step_ms_fp32"] = round(step["draft_fp32"] * 1e3, 3)
-        result["c_fp32"] = round(step["draft_fp32"] / step["target"], 4)
+    if "draft_bf16" in step:
+        result["draft_step_ms_bf16"] = round(step["draft_bf16"] * 1e3, 3)
+        result["c_bf16"] = round(step["draft_bf16"] / step["target"], 4)
 
     orch = roles.embedded(TargetConfig(args.target), DraftConfig(args.draft, args.target), OrchestratorConfig())
     per_k = {}

@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--target-steps", type=int, default=3000)
-    ap.add_argument("--distill-steps", type=int, default=1000)
+    ap.add_argument("--distill-steps", type=int, default=2000)
     ap.add_argument("--distill-batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--draft-lr", type=float, default=3e-3)

@@ -43,8 +43,8 @@ def main() -> None:
     m = costs.get("machine", {})
     machine_line = (f"{m['cpu']}, {m['cores']} cores, {m['cpu_capability']}, native bf16: {'yes' if m['native_bf16'] else 'no'}, "
                     f"torch {m['torch']}") if m else "2 cores"
-    draft_fp32_note = (f" (the same draft in fp32: {costs['draft_step_ms_fp32']:.2f} ms a token, c = {costs['c_fp32']:.3f})"
-                       if "draft_step_ms_fp32" in costs else "")
+    draft_bf16_note = (f" (with `--draft-dtype bfloat16`: {costs['draft_step_ms_bf16']:.2f} ms a token, c = {costs['c_bf16']:.3f})"
+                       if "draft_step_ms_bf16" in costs else "")
     bar_rows = "\n".join(f"| {name} | {value} | {'met' if ok else '**not met**'} |" for name, ok, value in bar)
     text = f"""# specdec demo pair
 
@@ -79,7 +79,7 @@ file from `training.json`, `benchmarks/bench_costs.py` and `benchmarks/bench_dec
 
 Both roles run specdec's lean Llama forward (`core/llama_decode.py`: fused projections,
 oneDNN-packed weights, a growing KV buffer); `--reference-forward` runs the HF forward instead.
-The target runs in fp32; the draft runs in {costs.get('draft_dtype', 'float32')}{draft_fp32_note}.
+The target runs in fp32; the draft runs in {costs.get('draft_dtype', 'float32')}{draft_bf16_note}.
 
 | | lean forward (default) | HF forward |
 |---|---|---|

@@ -46,8 +46,8 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
     p.add_argument("--reference-forward", action="store_true",
                    help="run models through the HF forward instead of specdec's lean decode path (slower; for checking)")
     if draft:
-        p.add_argument("--draft-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                       help="draft model precision on the lean path (auto: bfloat16 where the CPU has native bf16)")
+        p.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="draft model precision on the lean path (bfloat16 needs a CPU with native bf16)")
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:

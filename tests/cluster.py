@@ -45,8 +45,8 @@ class Cluster:
 
 
 async def start_cluster(target_path: str, draft_path: str, redis_url: str, prefix: str,
-                        config: OrchestratorConfig | None = None, draft_dtype: str = "auto") -> Cluster:
-    draft_server, draft = await roles.start_draft(DraftConfig(draft_path, target_path, draft_dtype=draft_dtype), LOOPBACK)
+                        config: OrchestratorConfig | None = None) -> Cluster:
+    draft_server, draft = await roles.start_draft(DraftConfig(draft_path, target_path), LOOPBACK)
     target_server, target = await roles.start_target(TargetConfig(target_path), LOOPBACK)
     store = RedisSessionStore.from_url(redis_url, prefix=prefix)
     upstreams = roles.Upstreams(draft_server.address, target_server.address, target_path)

@@ -61,9 +61,9 @@ async def cluster(tiny_pair, redis_url) -> Cluster:
 
 @pytest_asyncio.fixture(scope="session")
 async def twin_cluster(tiny_pair, redis_url) -> Cluster:
-    """As ``cluster``, but the draft model is the target itself, in the target's precision."""
+    """As ``cluster``, but the draft model is the target itself."""
     target, _ = tiny_pair
-    c = await start_cluster(target, target, redis_url, prefix=f"specdec-test-{uuid.uuid4().hex[:8]}", draft_dtype="float32")
+    c = await start_cluster(target, target, redis_url, prefix=f"specdec-test-{uuid.uuid4().hex[:8]}")
     yield c
     await c.stop()
     delete_prefix(redis_url, c.store._prefix)

@@ -35,7 +35,7 @@ class DraftConfig:
     target_model_path: str | None = None  # if set, the draft's tokenizer is checked against it at start-up
     proposal_top_k: int = 32  # a model drafter samples from, and sends, its top-K renormalised distribution
     fast_draft_forward: bool = True  # lean Llama decode path (specdec.core.llama_decode) when supported
-    draft_dtype: str = "auto"  # lean path's precision: float32 | bfloat16 | auto (bf16 where the CPU has it natively)
+    draft_dtype: str = "float32"  # lean path's precision: float32 | bfloat16 (CPUs with native bf16 only)
     ngram_max: int = 3
     ngram_min: int = 1
     max_sessions: int = 256
