@@ -11,9 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+SAMPLE_PROMPT = "def fibonacci(n):"
+
+
+def sample_completion() -> str:
+    """What `specdec generate` prints for the issue's prompt with the defaults (greedy), 48 tokens."""
+    out = subprocess.run([sys.executable, "-m", "specdec", "generate", SAMPLE_PROMPT, "--max-new-tokens", "48", "--json",
+                          "--target", str(DEMO / "target"), "--draft", str(DEMO / "draft")],
+                         capture_output=True, text=True, check=True, timeout=300)
+    return json.loads(out.stdout)["text"]
 
 
 def main() -> None:
@@ -66,8 +77,9 @@ file from `training.json`, `benchmarks/bench_costs.py` and `benchmarks/bench_dec
   ({tr['held_out_percent']}%, chosen by a hash of their path) held out. File list SHA-256 `{tr['stdlib_file_list_sha256'][:16]}…`.
 - Training: {tr['total_training_seconds'] / 60:.0f} minutes on {tr['threads']} CPU threads (target phase
   {tr['target_phase_seconds'] / 60:.0f} min), matmuls in {tr.get('matmul_precision', 'fp32')} (fp32 weights,
-  optimizer state and losses), seed {tr['seed']}; weights shipped in float16 and loaded in float32. The target trains alone first; the draft is then distilled from the frozen
-  target (0.9 KL to the target's logits, 0.1 next-token loss).
+  optimizer state and losses), seed {tr['seed']}; weights shipped in float16 and loaded in float32.
+- The target trains alone first; the draft is then distilled from the frozen target (0.9 KL to the
+  target's logits, 0.1 next-token loss).
 
 ## Against the release bar (issue 3)
 
@@ -104,6 +116,17 @@ from speculation alone; the one before it also counts the faster forward.
 | method | tokens/s | vs target-only (HF generate) | vs specdec k = 0 |
 |---|---|---|---|
 {methods}
+"""
+    text += f"""
+## A sample (greedy, 48 tokens: `specdec generate "{SAMPLE_PROMPT}"`)
+
+The training files (the stdlib, tests and site-packages skipped) hold no Fibonacci function to imitate;
+a 16M-parameter model trained on 6M tokens writes
+Python-shaped text (docstrings, signatures, stdlib idioms) that does not compute the function.
+
+```python
+{SAMPLE_PROMPT}{sample_completion()}
+```
 """
     (DEMO / "README.md").write_text(text)
     print(f"wrote {DEMO / 'README.md'}")
