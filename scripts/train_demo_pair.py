@@ -65,7 +65,7 @@ def cpu_has_native_bf16() -> bool:
 
 def keep_freed_memory() -> None:
     """Stop glibc from unmapping big freed blocks: each step frees and reallocates the same
-    activations, and the page faults of fresh mmaps cost ~5% of a step here."""
+    activations, and the page faults of fresh mmaps cost 5-14% of a step here."""
     try:
         import ctypes
 
