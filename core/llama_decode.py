@@ -105,8 +105,8 @@ class LlamaDecoder:
 
     ``dtype``: float32 (the default; the verifier's distribution) or bfloat16, where weights, activations
     and the KV cache are bf16 (rotary and the returned logits stay fp32). bf16 halves the bytes each
-    step reads, which is what a small model's step is bound by; it is only offered where the CPU runs
-    bf16 natively, and it changes the numbers, so it suits the drafter (proposals never change what
+    step reads, which bounds a step once a model is past a few million parameters; it is only offered
+    where the CPU runs bf16 natively, and it changes the numbers, so it suits the drafter (proposals never change what
     the verifier accepts) and a target only when that target is then always run in bf16.
     """
 
