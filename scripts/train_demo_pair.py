@@ -55,14 +55,6 @@ TARGET = Arch(hidden_size=384, num_hidden_layers=8, intermediate_size=1024, num_
 DRAFT = Arch(hidden_size=160, num_hidden_layers=2, intermediate_size=448, num_attention_heads=5)
 
 
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def keep_freed_memory() -> None:
     """Stop glibc from unmapping big freed blocks: each step frees and reallocates the same
     activations, and the page faults of fresh mmaps cost 5-14% of a step here."""
@@ -225,7 +217,9 @@ def main() -> None:
     ap.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
                     help="bf16 autocast for matmuls (auto: on where the CPU has native bf16)")
     args = ap.parse_args()
-    use_bf16 = args.bf16 == "on" or (args.bf16 == "auto" and cpu_has_native_bf16())
+    from specdec.core.llama_decode import native_bf16  # the same oneDNN check the decoder uses
+
+    use_bf16 = args.bf16 == "on" or (args.bf16 == "auto" and native_bf16())
     log(f"matmuls in {'bf16 autocast' if use_bf16 else 'fp32'}")
 
     def autocast():

@@ -116,13 +116,12 @@ from speculation alone; the one before it also counts the faster forward.
 | method | tokens/s | vs target-only (HF generate) | vs specdec k = 0 |
 |---|---|---|---|
 {methods}
-"""
-    text += f"""
+
 ## A sample (greedy, 48 tokens: `specdec generate "{SAMPLE_PROMPT}"`)
 
-The training files (the stdlib, tests and site-packages skipped) hold no Fibonacci function to imitate;
-a 16M-parameter model trained on 6M tokens writes
-Python-shaped text (docstrings, signatures, stdlib idioms) that does not compute the function.
+The training files (the stdlib, tests and site-packages skipped) hold no Fibonacci function to
+imitate; a {t['parameters'] / 1e6:.1f}M-parameter model trained on {tr['target_training_tokens'] / 1e6:.1f}M tokens writes Python-shaped text
+(docstrings, signatures, stdlib idioms) that does not compute the function.
 
 ```python
 {SAMPLE_PROMPT}{sample_completion()}
