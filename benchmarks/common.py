@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sysconfig
 import time
 from pathlib import Path
+
+from specdec.bench_common import held_out_prompts as _held_out_prompts
+from specdec.bench_common import machine  # noqa: F401  (shared with `specdec bench`)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo"
@@ -14,42 +15,7 @@ DEMO = ROOT / "models" / "demo"
 
 def held_out_prompts(n: int, card_dir: Path = DEMO, chars: int = 160) -> list[str]:
     """Openings of functions/classes in the demo pair's held-out files (never trained on)."""
-    card = json.loads((Path(card_dir) / "training.json").read_text())
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    prompts = []
-    for rel in card["training"]["held_out_list"]:
-        text = (stdlib / rel).read_text(encoding="utf-8", errors="replace")
-        for marker in ("\ndef ", "\n    def ", "\nclass "):
-            at = 0
-            while len(prompts) < n * 4:
-                at = text.find(marker, at + 1)
-                if at < 0:
-                    break
-                prompts.append(text[at + 1 : at + 1 + chars])
-    # Spread the picks over files instead of taking the first file's functions.
-    step = max(1, len(prompts) // n)
-    return prompts[::step][:n]
-
-
-def machine() -> dict:
-    """What the figures were measured on: timings only compare within one machine kind."""
-    import os
-    import platform
-
-    import torch
-
-    from specdec.core.llama_decode import native_bf16
-
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "native_bf16": native_bf16(), "torch": torch.__version__}
+    return _held_out_prompts(n, card_dir, chars)
 
 
 def median(xs):

@@ -55,6 +55,20 @@ class KVSequence:
     def cached_len(self) -> int:
         return len(self._cached_ids)
 
+    @property
+    def cached_ids(self) -> Sequence[int]:
+        """The token ids whose keys and values are cached (read-only by convention)."""
+        return self._cached_ids
+
+    @property
+    def decoder(self):
+        return self._decoder
+
+    @property
+    def decode_cache(self):
+        """The lean decoder's cache buffer (specdec.core.llama_decode.DecodeCache), or None on the HF forward."""
+        return self._cache if self._decoder is not None else None
+
     @torch.inference_mode()
     def logits_for(self, token_ids: Sequence[int], num_last: int) -> torch.Tensor:
         """Logits predicting the token after each of the last ``num_last`` of ``token_ids``: [num_last, vocab]."""

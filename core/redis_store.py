@@ -4,6 +4,8 @@ Layout, format version 1 (DESIGN.md, "Redis layout"):
   {prefix}:sess:{<id>}      hash: v="1", prompt (packed int32), params (JSON), seed, status,
                             finish_reason, counters (JSON), created_at, updated_at
   {prefix}:sess:{<id>}:out  string: committed output tokens, packed little-endian int32
+  {prefix}:sess:{<id>}:k    string: the speculation length of every step, one byte each (0-64),
+                            so a seeded request can be replayed step for step
 The braces are literal: `{<id>}` is a Redis Cluster hash tag, so both keys share a slot and one
 Lua script may touch both. Output lives in its own key so a commit is an O(1) APPEND, not a rewrite.
 Each write is one Lua script (one round trip, atomic), checks that the session exists and is ours
@@ -31,9 +33,11 @@ from specdec.core.sessions import (
     check_session_id,
     json_object,
     pack_ids,
+    pack_ks,
     params_from_json,
     params_to_json,
     unpack_ids,
+    unpack_ks,
 )
 
 FORMAT_VERSION = "1"
@@ -55,26 +59,30 @@ if t ~= 'hash' or redis.call('HGET', KEYS[1], 'v') ~= ARGV[2] then return -1 end
 if redis.call('TYPE', KEYS[2])['ok'] ~= 'string' then return -1 end
 """
 
-# KEYS: hash, out. ARGV: ttl_ms, version, packed output, then field/value pairs for the hash.
+# KEYS: hash, out, k. ARGV: ttl_ms, version, packed output, then field/value pairs for the hash.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'v', ARGV[2], unpack(ARGV, 4))
 redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[1])
+redis.call('SET', KEYS[3], '', 'PX', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
 
-# KEYS: hash, out. ARGV: ttl_ms, version, packed new tokens, counters JSON, updated_at.
+# KEYS: hash, out, k. ARGV: ttl_ms, version, packed new tokens, counters JSON, updated_at, step k bytes.
 _COMMIT = _GUARD + """
 redis.call('APPEND', KEYS[2], ARGV[3])
+redis.call('APPEND', KEYS[3], ARGV[6])
+redis.call('PEXPIRE', KEYS[3], ARGV[1])
 redis.call('HSET', KEYS[1], 'counters', ARGV[4], 'updated_at', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return 1
 """
 
-# KEYS: hash, out. ARGV: ttl_ms, version, status, finish_reason, updated_at.
+# KEYS: hash, out, k. ARGV: ttl_ms, version, status, finish_reason, updated_at.
 _FINISH = _GUARD + """
+redis.call('PEXPIRE', KEYS[3], ARGV[1])
 redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finish_reason', ARGV[4], 'updated_at', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
@@ -113,7 +121,7 @@ class RedisSessionStore:
 
     def _keys(self, session_id: str) -> list[str]:
         key = self.session_key(session_id)
-        return [key, key + ":out"]
+        return [key, key + ":out", key + ":k"]
 
     def _check_result(self, result: int, session_id: str) -> None:
         if result == _MISSING:
@@ -141,11 +149,12 @@ class RedisSessionStore:
         if not await self._create(keys=self._keys(record.session_id), args=args):
             raise InvalidRequest(f"session {record.session_id!r} already exists")
 
-    async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters) -> None:
+    async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters,
+                     step_ks: Sequence[int] = ()) -> None:
         if not isinstance(counters, SpecCounters):
             raise InvalidRequest(f"counters must be SpecCounters, got {counters!r}")
         packed, counters_json = pack_ids(new_output_ids), json.dumps(counters.to_dict())
-        args = [self._ttl_ms, FORMAT_VERSION, packed, counters_json, repr(time.time())]
+        args = [self._ttl_ms, FORMAT_VERSION, packed, counters_json, repr(time.time()), pack_ks(step_ks)]
         self._check_result(await self._commit(keys=self._keys(session_id), args=args), session_id)
 
     async def finish(self, session_id: str, status: SessionStatus, finish_reason: str) -> None:
@@ -154,13 +163,14 @@ class RedisSessionStore:
         self._check_result(await self._finish(keys=self._keys(session_id), args=args), session_id)
 
     async def get(self, session_id: str) -> SessionRecord:
-        key, out_key = self._keys(session_id)
+        key, out_key, k_key = self._keys(session_id)
         try:
             # MULTI/EXEC: the hash and the output are read at the same instant, never mid-commit.
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.hgetall(key)
                 pipe.get(out_key)
-                raw, out = await pipe.execute()
+                pipe.get(k_key)
+                raw, out, ks = await pipe.execute()
         except ResponseError as e:
             if "WRONGTYPE" in str(e):
                 raise CorruptRecord(f"Redis key {key!r} or {out_key!r} has the wrong type: {e}") from None
@@ -168,7 +178,7 @@ class RedisSessionStore:
         if not raw:
             raise SessionNotFound(f"no session {session_id!r} in Redis (unknown or expired)")
         try:
-            return _decode(session_id, raw, out)
+            return _decode(session_id, raw, out, ks)
         except CorruptRecord as e:
             raise CorruptRecord(f"session {key!r} in Redis: {e}") from None
 
@@ -179,8 +189,10 @@ class RedisSessionStore:
         await self._redis.aclose()
 
 
-def _decode(session_id: str, raw: dict[bytes, bytes], out: bytes | None) -> SessionRecord:
-    """A SessionRecord from HGETALL and GET replies; CorruptRecord for anything unexpected."""
+def _decode(session_id: str, raw: dict[bytes, bytes], out: bytes | None, ks: bytes | None) -> SessionRecord:
+    """A SessionRecord from HGETALL and GET replies; CorruptRecord for anything unexpected.
+
+    ``ks`` may be missing: records written before the schedule was kept have none."""
     if raw.get(b"v") != FORMAT_VERSION.encode():
         raise CorruptRecord(f"format version {raw.get(b'v')!r}, expected {FORMAT_VERSION!r}")
     if set(raw) != _FIELDS:
@@ -210,6 +222,7 @@ def _decode(session_id: str, raw: dict[bytes, bytes], out: bytes | None) -> Sess
         counters=counters,
         created_at=_timestamp(raw[b"created_at"]),
         updated_at=_timestamp(raw[b"updated_at"]),
+        step_ks=unpack_ks(ks or b""),
     )
 
 

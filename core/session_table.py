@@ -12,7 +12,7 @@ T = TypeVar("T")
 
 
 class SessionTable(Generic[T]):
-    """Session id -> per-session state. Not thread-safe: each engine touches it from one thread."""
+    """Session id -> per-session state. Not thread-safe: callers hold their engine's lock or stay on one thread."""
 
     def __init__(self, max_sessions: int, idle_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._max = max_sessions
@@ -43,6 +43,14 @@ class SessionTable(Generic[T]):
             raise SessionNotFound(f"session {session_id[:40]} is not open on this worker (never opened, closed, or expired after {self._idle:g}s idle)")
         self._items[session_id] = (item[0], now)
         return item[0]
+
+    def peek(self, session_id: str) -> T | None:
+        """The session's state without marking it used, or None."""
+        item = self._items.get(session_id)
+        return None if item is None else item[0]
+
+    def ids(self) -> list[str]:
+        return list(self._items)
 
     def pop(self, session_id: str) -> T | None:
         item = self._items.pop(session_id, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import array
 import enum
+import hashlib
 import json
 import math
 import re
@@ -35,6 +36,11 @@ assert array.array(_INT32_CODE).itemsize == 4, "this platform's C int is not 32 
 def new_session_id() -> str:
     """A fresh session id: 128 random bits as 32 lowercase hex characters."""
     return secrets.token_hex(16)
+
+
+def short_id(session_id: str) -> str:
+    """What logs show of a session: 8 hex characters of its hash, useless for acting on the session."""
+    return hashlib.sha256(str(session_id).encode()).hexdigest()[:8]
 
 
 def check_session_id(session_id: str) -> str:
@@ -68,6 +74,25 @@ def unpack_ids(data: bytes | bytearray | memoryview) -> tuple[int, ...]:
     return tuple(unpacked)
 
 
+MAX_STEP_K = 64
+
+
+def pack_ks(ks: Iterable[int]) -> bytes:
+    """Speculation lengths of steps, one byte each; InvalidRequest outside [0, 64]."""
+    ks = tuple(ks)
+    if any(not isinstance(k, int) or not 0 <= k <= MAX_STEP_K for k in ks):
+        raise InvalidRequest(f"speculation lengths must be ints in [0, {MAX_STEP_K}], got {ks[:8]}")
+    return bytes(ks)
+
+
+def unpack_ks(data: bytes | bytearray | memoryview) -> tuple[int, ...]:
+    """Inverse of `pack_ks`; CorruptRecord for a byte over 64."""
+    ks = tuple(bytes(data))
+    if any(k > MAX_STEP_K for k in ks):
+        raise CorruptRecord(f"a recorded speculation length is over {MAX_STEP_K}")
+    return ks
+
+
 def params_to_json(params: Mapping[str, Any]) -> str:
     """Request parameters as compact JSON; InvalidRequest if they are not a JSON-able str-keyed mapping."""
     if not isinstance(params, Mapping):
@@ -99,13 +124,18 @@ class SpecCounters:
     """Speculation totals for one session, in the words of the metrics (see DESIGN.md, Metrics).
 
     drafts: verification steps that had at least one draft token; draft_tokens: draft tokens
-    proposed; accepted_tokens: draft tokens the verifier accepted; verify_steps: all verifier calls.
+    proposed; accepted_tokens: draft tokens the verifier accepted; verify_steps: all verifier calls;
+    predrafted_steps: steps whose block was drafted while the previous step was verified (overlap
+    hits); verify_time_ns / draft_wait_ns: the target's time, and the time steps waited for blocks.
     """
 
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
+    predrafted_steps: int = 0
+    verify_time_ns: int = 0
+    draft_wait_ns: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -115,12 +145,7 @@ class SpecCounters:
 
     def plus(self, other: SpecCounters) -> SpecCounters:
         """Field-wise sum."""
-        return SpecCounters(
-            drafts=self.drafts + other.drafts,
-            draft_tokens=self.draft_tokens + other.draft_tokens,
-            accepted_tokens=self.accepted_tokens + other.accepted_tokens,
-            verify_steps=self.verify_steps + other.verify_steps,
-        )
+        return SpecCounters(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     @property
     def mean_accepted_length(self) -> float:
@@ -167,6 +192,7 @@ class SessionRecord:
     counters: SpecCounters
     created_at: float
     updated_at: float
+    step_ks: tuple[int, ...] = ()  # the speculation length of every step so far, in order
 
     @classmethod
     def new(
@@ -220,8 +246,10 @@ class SessionStore(Protocol):
         """Store a new session; InvalidRequest if one with that id exists."""
         ...
 
-    async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters) -> None:
-        """Append `new_output_ids` to the output and replace the counters with these totals.
+    async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters,
+                     step_ks: Sequence[int] = ()) -> None:
+        """Append `new_output_ids` to the output, `step_ks` (the speculation lengths of the steps that
+        committed them) to the schedule, and replace the counters with these totals.
 
         SessionNotFound if the session is missing or expired.
         """
@@ -249,6 +277,7 @@ class _Entry:
     record: SessionRecord  # output_ids left empty: the tokens live in `output`
     params_json: str  # params as stored, decoded afresh on each get, as from Redis
     output: list[int]  # a list so commit appends in O(new tokens)
+    step_ks: list[int]
     expires_at: float  # on the store's monotonic clock
 
 
@@ -300,15 +329,19 @@ class InMemorySessionStore:
             record=replace(record, prompt_ids=tuple(record.prompt_ids), output_ids=()),
             params_json=params_json,
             output=output,
+            step_ks=list(unpack_ks(pack_ks(record.step_ks))),
             expires_at=now + self._ttl_s,
         )
 
-    async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters) -> None:
+    async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters,
+                     step_ks: Sequence[int] = ()) -> None:
         if not isinstance(counters, SpecCounters):
             raise InvalidRequest(f"counters must be SpecCounters, got {counters!r}")
         new_ids = unpack_ids(pack_ids(new_output_ids))
+        new_ks = unpack_ks(pack_ks(step_ks))
         entry = self._live(session_id)
         entry.output.extend(new_ids)
+        entry.step_ks.extend(new_ks)
         entry.record = replace(entry.record, counters=counters, updated_at=time.time())
         entry.expires_at = self._clock() + self._ttl_s
 
@@ -320,7 +353,8 @@ class InMemorySessionStore:
 
     async def get(self, session_id: str) -> SessionRecord:
         entry = self._live(session_id)
-        return replace(entry.record, output_ids=tuple(entry.output), params=params_from_json(entry.params_json))
+        return replace(entry.record, output_ids=tuple(entry.output), params=params_from_json(entry.params_json),
+                       step_ks=tuple(entry.step_ks))
 
     async def delete(self, session_id: str) -> None:
         self._entries.pop(check_session_id(session_id), None)

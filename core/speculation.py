@@ -4,9 +4,13 @@ With per-token acceptance alpha, a step that drafts k tokens commits on average
 E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) tokens (Leviathan et al. 2023, eq. 1) and costs about
 1 + c*k target-step units, c being a draft token's cost relative to a verification. The adaptive
 policy estimates alpha online from the request's own accepted/drafted counts (a Beta posterior with
-exponential forgetting) and picks the k that maximises E / (1 + c*k); k = 0 (plain decoding) when
-speculation does not pay. It uses only acceptance counts, which are a deterministic function of the
-seed, so a seeded request stays reproducible; measured timings feed the controller of a later issue.
+exponential forgetting) and picks the k that maximises expected committed tokens per second,
+E(alpha, k) / T(k); k = 0 (plain decoding) when speculation does not pay. Until a request has
+measured its own steps, T(k) is the cost model 1 + c*k; from then on T(k) comes from its measured
+step times (``StepTiming``): the verify time as a line in k, what the step waited for its block
+(under overlap a pre-drafted block is ready at once, so only misses wait, about k draft tokens),
+and the rest of the step. Timings make k depend on the machine, so the k of every step is
+recorded with the session (a seeded request under the rejection rule replays that schedule).
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ class SpeculationPolicy:
     mode: SpeculationMode = SpeculationMode.ADAPTIVE
     num_speculative_tokens: int = 4  # fixed: always this; adaptive: the starting point
     max_speculative_tokens: int = 8
-    draft_cost_ratio: float = 0.1  # c: a draft token's cost relative to one verification step
+    draft_cost_ratio: float = 0.1  # c: a draft token's cost relative to one verification step (before measurements)
+    overlap: bool = True  # draft the next block while this one is verified; changes speed only
 
     def __post_init__(self) -> None:
         # num_speculative_tokens first: when only it is given, max_speculative_tokens is derived from it.
@@ -49,6 +54,60 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """What one step cost, in seconds, as the verifier measured it."""
+
+    verify_s: float  # the target forward and the rejection rule
+    wait_s: float  # waiting for the step's draft block
+    step_s: float  # the whole step, wait and verify included
+    draft_s: float = 0.0  # the drafter's own time for the block used (0: none)
+    predrafted: bool = False  # the block was drafted while the previous step was verified
+
+
+class _Ema:
+    def __init__(self, rate: float) -> None:
+        self.rate, self.value = rate, None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.rate) * self.value + self.rate * x
+
+    def get(self, default: float) -> float:
+        return default if self.value is None else self.value
+
+
+class StepCostModel:
+    """Expected seconds of a step that verifies k drafts, from the request's own measured steps."""
+
+    def __init__(self, rate: float = 0.2) -> None:
+        self.verify_base = _Ema(rate)  # the verify time's intercept...
+        self.verify_slope = 0.04  # ...and its growth per draft token, as a fraction of it (demo pair: 1.16x at k = 4)
+        self.draft_per_token = _Ema(rate)
+        self.miss = _Ema(rate)  # fraction of speculating steps that had to wait for their block
+        self.miss_overhead = _Ema(rate)  # a wait's cost beyond the drafting itself (the hop)
+        self.other = _Ema(rate)  # the rest of a step: hand-offs, sampling, messages
+        self.steps = 0
+
+    def observe(self, k: int, timing: StepTiming) -> None:
+        self.steps += 1
+        self.verify_base.add(timing.verify_s / (1 + self.verify_slope * k))
+        self.other.add(max(0.0, timing.step_s - timing.verify_s - timing.wait_s))
+        if k > 0:
+            if timing.draft_s > 0:
+                self.draft_per_token.add(timing.draft_s / k)
+            waited = not timing.predrafted
+            self.miss.add(float(waited))
+            if waited:
+                self.miss_overhead.add(max(0.0, timing.wait_s - timing.draft_s))
+
+    def seconds(self, k: int) -> float:
+        base = self.verify_base.get(1e-3)
+        t = base * (1 + self.verify_slope * k) + self.other.get(0.0)
+        if k > 0:
+            t += self.miss.get(1.0) * (k * self.draft_per_token.get(0.1 * base) + self.miss_overhead.get(0.0))
+        return t
+
+
 class SpeculationController:
     """Per-request state: call ``next_k()`` before each step and ``observe()`` after it."""
 
@@ -58,6 +117,7 @@ class SpeculationController:
         self._rejected = prior_rejected
         self._decay = decay
         self._k = policy.num_speculative_tokens
+        self.costs = StepCostModel()
 
     @property
     def alpha(self) -> float:
@@ -66,9 +126,11 @@ class SpeculationController:
     def next_k(self) -> int:
         return self._k
 
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
+    def observe(self, num_drafted: int, num_accepted: int, timing: StepTiming | None = None) -> None:
         if self.policy.mode is SpeculationMode.FIXED:
             return
+        if timing is not None:
+            self.costs.observe(num_drafted, timing)
         if num_drafted > 0:
             # accepted tokens are successes; the first rejection (if any) is one failure.
             rejected = 1 if num_accepted < num_drafted else 0
@@ -80,6 +142,10 @@ class SpeculationController:
         self._k = self._best_k()
 
     def _best_k(self) -> int:
-        c = self.policy.draft_cost_ratio
         alpha = self.alpha
-        return max(range(self.policy.max_speculative_tokens + 1), key=lambda k: expected_tokens(alpha, k) / (1.0 + c * k))
+        if self.costs.steps == 0:
+            c = self.policy.draft_cost_ratio
+            cost = lambda k: 1.0 + c * k  # noqa: E731
+        else:
+            cost = self.costs.seconds
+        return max(range(self.policy.max_speculative_tokens + 1), key=lambda k: expected_tokens(alpha, k) / cost(k))

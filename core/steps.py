@@ -1,13 +1,15 @@
-"""What crosses the boundary between the orchestrator's loop and the workers, as plain dataclasses.
+"""What crosses the boundaries between the loop's parts, as plain dataclasses.
 
-The loop talks to ``DraftWorker`` and ``VerifyWorker``. In one process (``specdec generate``) the
-draft and target engines are called directly; across processes a gRPC client converts these same
-dataclasses to protobuf at the edge (specdec.orchestrator.remote), so both paths run the same core.
+The orchestrator talks to a ``VerifyWorker``: it runs a whole session and streams ``StepCommit``s.
+The verifier's loop talks to the session's drafter through a ``DraftLink``: ``StepOutcome``s one
+way, ``DraftBlock``s the other. In one process (``specdec generate``) these are in-process objects;
+across processes gRPC adapters convert the same dataclasses to protobuf at the edge
+(specdec.rpc.wire), so both paths run the same core.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -15,6 +17,9 @@ import torch
 
 from specdec.core.errors import InvalidRequest, SessionOutOfSync
 from specdec.core.sampling import SamplingParams
+from specdec.core.speculation import SpeculationPolicy
+
+MAX_STEP_TOKENS = 65  # 64 draft tokens (the speculation length's cap) and the recovered or bonus token
 
 
 @dataclass(frozen=True)
@@ -36,20 +41,57 @@ class SessionSpec:
 
 
 @dataclass(frozen=True)
-class SequenceSync:
-    """The worker keeps its first ``base_len`` committed tokens, then appends ``append_ids``."""
-
-    base_len: int
-    append_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
 class DraftProposal:
-    """Draft tokens for the next positions, and the distributions they came from (None: point masses)."""
+    """Draft tokens for the next positions, and the distributions they came from (None: point masses).
+
+    ``alternatives`` never leaves the drafter: per draft position, its next likeliest tokens, which
+    are its guesses of the recovered token should the verifier reject the draft there.
+    """
 
     token_ids: tuple[int, ...]
     distributions: tuple[SparseDistribution, ...] | None = None
     draft_time_ns: int = 0
+    alternatives: tuple[tuple[int, ...], ...] = ()
+
+    def truncated(self, k: int) -> DraftProposal:
+        """The first k draft tokens: a prefix of a block is itself a valid block."""
+        if k >= len(self.token_ids):
+            return self
+        dists = None if self.distributions is None else self.distributions[:k]
+        return DraftProposal(self.token_ids[:k], dists, self.draft_time_ns, self.alternatives[:k])
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """Draft tokens that continue one exact committed sequence.
+
+    That sequence is the first ``anchor_len`` committed tokens (known to the drafter) followed by
+    ``assumed_ids`` (what it guessed the block in flight would commit; empty for a block drafted
+    just in time). A block is used only where that is exactly the committed sequence.
+    """
+
+    anchor_len: int
+    assumed_ids: tuple[int, ...]
+    proposal: DraftProposal
+
+    @property
+    def base_len(self) -> int:
+        return self.anchor_len + len(self.assumed_ids)
+
+    def continues(self, committed: Sequence[int]) -> bool:
+        """Whether this block was drafted for exactly ``committed`` (O(len(assumed_ids)))."""
+        return len(committed) == self.base_len and tuple(committed[self.anchor_len :]) == self.assumed_ids
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one verification step committed (the last ``len(token_ids)`` of ``committed_len``
+    tokens), and how the drafter should go on."""
+
+    committed_len: int
+    token_ids: tuple[int, ...]
+    num_speculative_tokens: int
+    overlap: bool = True
 
 
 @dataclass(frozen=True)
@@ -63,6 +105,31 @@ class VerifyOutcome:
 
 
 @dataclass(frozen=True)
+class SessionRun:
+    """One session for a verifier to run to its end."""
+
+    spec: SessionSpec
+    drafter_address: str  # where the drafter serves; "" in one process
+    max_new_tokens: int
+    policy: SpeculationPolicy
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepCommit:
+    """One step as the verifier reports it to the orchestrator."""
+
+    token_ids: tuple[int, ...]
+    num_draft_tokens: int  # the step's speculation length (0: plain decoding)
+    num_accepted: int
+    committed_len: int
+    verify_time_ns: int = 0
+    draft_wait_ns: int = 0
+    predrafted: bool = False  # the block was drafted while the previous step was verified
+    finished: bool = False
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     active_sessions: int
     model: str
@@ -71,17 +138,39 @@ class WorkerInfo:
     drafters: tuple[str, ...] = field(default=())
 
 
-class DraftWorker(Protocol):
-    async def open(self, spec: SessionSpec) -> int: ...  # returns prefill time in ns
-    async def draft(self, session_id: str, sync: SequenceSync, num_speculative_tokens: int) -> DraftProposal: ...
-    async def close(self, session_id: str) -> bool: ...
-    async def status(self) -> WorkerInfo: ...
+class DraftLink(Protocol):
+    """The verifier's side of one session's drafter (in-process, or a gRPC stream)."""
+
+    async def open(self, spec: SessionSpec) -> None:
+        """Open the session on the drafter (prefill); raises if the drafter cannot serve it."""
+        ...
+
+    def send(self, outcome: StepOutcome) -> None:
+        """Tell the drafter what a step committed. Never blocks; a dead drafter shows in ``up``."""
+        ...
+
+    async def next_block(self, committed: Sequence[int], timeout_s: float) -> DraftBlock | None:
+        """The first block that continues ``committed`` (stale ones are dropped), or None after
+        ``timeout_s`` or once the drafter is gone."""
+        ...
+
+    @property
+    def up(self) -> bool:
+        """False once the drafter failed; the verifier then decodes without it."""
+        ...
+
+    async def close(self) -> None:
+        """Free the session on the drafter. Idempotent."""
+        ...
 
 
 class VerifyWorker(Protocol):
-    async def open(self, spec: SessionSpec) -> int: ...
-    async def verify(self, session_id: str, sync: SequenceSync, proposal: DraftProposal) -> VerifyOutcome: ...
-    async def close(self, session_id: str) -> bool: ...
+    """The orchestrator's view of a verifier: it runs whole sessions."""
+
+    def run(self, run: SessionRun) -> AsyncIterator[StepCommit]:
+        """Run a session, one StepCommit per step; closing the iterator cancels and frees it."""
+        ...
+
     async def status(self) -> WorkerInfo: ...
 
 
@@ -92,22 +181,19 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> Non
         raise InvalidRequest(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
-def check_sync(held: int, sync: SequenceSync, vocab_size: int) -> int:
-    """Validate a sync against a worker holding ``held`` committed tokens, changing nothing.
-
-    Returns the committed length the sync leads to.
-    """
-    if sync.base_len > held:
-        raise SessionOutOfSync(f"sync base_len {sync.base_len} exceeds the {held} tokens this worker holds")
-    check_token_ids(sync.append_ids, vocab_size, "synced token ids (sync.append_ids)")
-    return sync.base_len + len(sync.append_ids)
-
-
-def apply_sync(committed: list[int], sync: SequenceSync, vocab_size: int) -> None:
-    """Bring a worker's committed tokens in step with the orchestrator's, in place; nothing changes on error."""
-    check_sync(len(committed), sync, vocab_size)
-    del committed[sync.base_len :]
-    committed.extend(sync.append_ids)
+def apply_outcome(committed: list[int], outcome: StepOutcome, vocab_size: int) -> None:
+    """Bring a drafter's committed tokens in step with the verifier's, in place; nothing changes on error."""
+    base = outcome.committed_len - len(outcome.token_ids)
+    if not 0 <= base <= len(committed):
+        raise SessionOutOfSync(f"outcome commits {len(outcome.token_ids)} tokens to reach {outcome.committed_len}, "
+                               f"but this worker holds {len(committed)}")
+    if len(outcome.token_ids) > MAX_STEP_TOKENS:
+        raise InvalidRequest(f"an outcome commits at most {MAX_STEP_TOKENS} tokens, got {len(outcome.token_ids)}")
+    if not 0 <= outcome.num_speculative_tokens < MAX_STEP_TOKENS:
+        raise InvalidRequest(f"num_speculative_tokens must be in [0, {MAX_STEP_TOKENS - 1}], got {outcome.num_speculative_tokens}")
+    check_token_ids(outcome.token_ids, vocab_size, "committed token ids (outcome.token_ids)")
+    del committed[base:]
+    committed.extend(outcome.token_ids)
 
 
 def dense_draft_probs(proposal: DraftProposal, vocab_size: int) -> torch.Tensor | None:

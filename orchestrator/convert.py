@@ -5,10 +5,9 @@ import secrets
 
 from specdec.core.errors import InvalidRequest
 from specdec.core.sessions import SessionRecord, SpecCounters
-from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 from specdec.orchestrator.loop import Chunk, FinishReason
 from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
-from specdec.rpc.wire import sampling_from_pb
+from specdec.rpc.wire import policy_from_pb, sampling_from_pb
 from specdec.v1 import generation_pb2 as pb
 
 _FINISH = {
@@ -17,16 +16,6 @@ _FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.CONTEXT_FULL: pb.FINISH_REASON_CONTEXT_FULL,
 }
-_MODE = {pb.SPECULATION_MODE_FIXED: SpeculationMode.FIXED, pb.SPECULATION_MODE_ADAPTIVE: SpeculationMode.ADAPTIVE}
-
-
-def policy_from_pb(msg: pb.SpeculationPolicy, default: SpeculationPolicy) -> SpeculationPolicy:
-    if msg.mode != pb.SPECULATION_MODE_UNSPECIFIED and msg.mode not in _MODE:  # proto3 enums are open
-        raise InvalidRequest(f"speculation.mode {msg.mode} is unknown: use SPECULATION_MODE_FIXED or SPECULATION_MODE_ADAPTIVE")
-    mode = _MODE.get(msg.mode, default.mode)
-    k = msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else default.num_speculative_tokens
-    k_max = msg.max_speculative_tokens or max(default.max_speculative_tokens, k)
-    return SpeculationPolicy(mode, k, k_max, default.draft_cost_ratio)
 
 
 def request_from_pb(msg: pb.GenerateRequest, config: OrchestratorConfig) -> GenerationRequest:
@@ -48,7 +37,8 @@ def request_from_pb(msg: pb.GenerateRequest, config: OrchestratorConfig) -> Gene
 def stats_to_pb(c: SpecCounters, last_k: int = 0) -> pb.SpeculationStats:
     return pb.SpeculationStats(drafts=c.drafts, draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens,
                                verify_steps=c.verify_steps, mean_accepted_length=c.mean_accepted_length,
-                               last_num_speculative_tokens=last_k)
+                               last_num_speculative_tokens=last_k, predrafted_steps=c.predrafted_steps,
+                               verify_time_ms=c.verify_time_ns / 1e6, draft_wait_time_ms=c.draft_wait_ns / 1e6)
 
 
 def chunk_to_pb(chunk: Chunk) -> pb.GenerateStreamResponse:

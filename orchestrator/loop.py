@@ -1,7 +1,10 @@
-"""The per-request loop: tokenize -> { draft k -> verify -> commit -> choose next k } -> detokenize.
+"""The client side of a request: tokenize -> run the session on a verifier -> store, detokenize, stream.
 
-Workers are reached through the DraftWorker / VerifyWorker protocols (specdec.core.steps), so the
-same loop drives in-process engines (``specdec generate``) and gRPC workers (``specdec serve``).
+The draft/verify loop itself runs at the verifier (specdec.target.loop), next to the target model,
+with draft blocks streaming in from the drafter; this side receives each step's committed tokens,
+writes them to the session store before the client sees them, cuts at stop strings and
+detokenizes, all off the draft-verify path. The verifier is reached through the VerifyWorker
+protocol (specdec.core.steps): in this process for ``specdec generate``, over gRPC for ``specdec serve``.
 """
 from __future__ import annotations
 
@@ -12,9 +15,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from specdec.core.errors import InvalidRequest, Overloaded
-from specdec.core.sessions import SessionRecord, SessionStatus, SessionStore, SpecCounters, new_session_id
-from specdec.core.speculation import SpeculationController
-from specdec.core.steps import DraftProposal, DraftWorker, SequenceSync, SessionSpec, VerifyWorker, validate_prompt
+from specdec.core.sessions import SessionRecord, SessionStatus, SessionStore, SpecCounters, new_session_id, short_id
+from specdec.core.steps import SessionRun, SessionSpec, VerifyWorker, validate_prompt
 from specdec.orchestrator.detokenize import Detokenizer
 from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
 
@@ -55,10 +57,11 @@ class TargetInfo:
 
 
 class Orchestrator:
-    def __init__(self, target: TargetInfo, drafter: DraftWorker, verifier: VerifyWorker, store: SessionStore, config: OrchestratorConfig) -> None:
+    def __init__(self, target: TargetInfo, verifier: VerifyWorker, store: SessionStore, config: OrchestratorConfig,
+                 drafter_address: str = "") -> None:
         self.target = target
-        self.drafter = drafter
         self.verifier = verifier
+        self.drafter_address = drafter_address  # "" in one process: the verifier has its drafter at hand
         self.store = store
         self.config = config
         self.running = 0
@@ -84,15 +87,13 @@ class Orchestrator:
         session_id = new_session_id()
         record = SessionRecord.new(prompt_ids, _params_json(request, drafter_name), sampling.seed, session_id)
         spec = SessionSpec(session_id, prompt_ids, sampling, drafter_name)
+        run = SessionRun(spec, self.drafter_address, request.max_new_tokens, request.policy,
+                         () if self.target.eos_token_id is None else (self.target.eos_token_id,))
         self.running += 1
         status, reason = SessionStatus.FAILED, ""
         try:
             await self.store.create(record)
-            # Wait for both opens even if one fails, so _release cannot race an open still in flight.
-            for result in await asyncio.gather(self.drafter.open(spec), self.verifier.open(spec), return_exceptions=True):
-                if isinstance(result, BaseException):
-                    raise result
-            async for chunk in self._loop(request, spec):
+            async for chunk in self._loop(request, run):
                 if chunk.finish_reason is not None:
                     status, reason = SessionStatus.FINISHED, chunk.finish_reason.value
                     await self.store.finish(session_id, status, reason)
@@ -102,66 +103,51 @@ class Orchestrator:
             raise
         finally:
             self.running -= 1
-            await self._release(session_id, status, reason)
-
-    async def _release(self, session_id: str, status: SessionStatus, reason: str) -> None:
-        """Close the session on both workers; runs on success, error and cancellation alike."""
-        async def close_all() -> None:
-            results = await asyncio.gather(self.drafter.close(session_id), self.verifier.close(session_id), return_exceptions=True)
-            for r in results:
-                if isinstance(r, Exception):
-                    log.warning("closing session %s: %s", session_id, r)
             if status is not SessionStatus.FINISHED:
-                try:
-                    await self.store.finish(session_id, status, reason)
-                except Exception as exc:  # the record may not exist if create failed
-                    log.debug("marking session %s %s: %s", session_id, status.value, exc)
+                await self._mark(session_id, status, reason)
 
-        # Shielded: a cancelled request must still free its sessions.
-        task = asyncio.ensure_future(asyncio.wait_for(close_all(), CLOSE_TIMEOUT_S))
+    async def _mark(self, session_id: str, status: SessionStatus, reason: str) -> None:
+        """Record how a session that did not finish ended; shielded, so a cancelled request still does it."""
+        async def mark() -> None:
+            try:
+                await self.store.finish(session_id, status, reason)
+            except Exception as exc:  # the record may not exist if create failed
+                log.debug("marking session %s %s: %s", short_id(session_id), status.value, exc)
+
+        task = asyncio.ensure_future(asyncio.wait_for(mark(), CLOSE_TIMEOUT_S))
         try:
             await asyncio.shield(task)
         except (asyncio.CancelledError, asyncio.TimeoutError):
             pass
 
-    async def _loop(self, request: GenerationRequest, spec: SessionSpec) -> AsyncIterator[Chunk]:
+    async def _loop(self, request: GenerationRequest, run: SessionRun) -> AsyncIterator[Chunk]:
         target = self.target
-        controller = SpeculationController(request.policy)
+        spec = run.spec
         detok = Detokenizer(target.tokenizer, request.stop)
-        committed_len = len(spec.prompt_ids)
-        drafter_len = committed_len  # committed tokens the drafter holds
-        unsynced: list[int] = []  # committed since, not yet sent to the drafter
         generated = 0
         counters = SpecCounters()
         common = dict(session_id=spec.session_id, seed=spec.sampling.seed, prompt_tokens=len(spec.prompt_ids))
-        while True:
-            remaining = request.max_new_tokens - generated
-            room = target.context_length - committed_len
-            k = max(0, min(controller.next_k(), remaining - 1, room - 1))
-            if k > 0:
-                proposal = await self.drafter.draft(spec.session_id, SequenceSync(drafter_len, tuple(unsynced)), k)
-                drafter_len, unsynced = committed_len, []
-            else:  # plain decoding step: no hop to the drafter; it catches up at its next draft
-                proposal = DraftProposal(())
-            outcome = await self.verifier.verify(spec.session_id, SequenceSync(committed_len), proposal)
-            drafted = len(proposal.token_ids)
-            controller.observe(drafted, outcome.num_accepted)
-            counters = counters.plus(SpecCounters(int(drafted > 0), drafted, outcome.num_accepted, 1))
-            unsynced.extend(outcome.token_ids)
-            committed_len = outcome.committed_len
-
-            tokens, finish, text = self._emit(outcome.token_ids, remaining, detok)
-            generated += len(tokens)
-            if finish is None and committed_len >= target.context_length:
-                finish = FinishReason.CONTEXT_FULL
-            # Nothing lost: the committed tokens are in the store before the client sees them.
-            await self.store.commit(spec.session_id, tokens, counters)
-            if finish is not None:
-                text += detok.finish()
-            yield Chunk(token_ids=tokens, text=text, finish_reason=finish, completion_tokens=generated,
-                        counters=counters, last_num_speculative_tokens=k, **common)
-            if finish is not None:
-                return
+        steps = self.verifier.run(run)
+        try:
+            async for step in steps:
+                remaining = request.max_new_tokens - generated
+                drafted = step.num_draft_tokens
+                counters = counters.plus(SpecCounters(int(drafted > 0), drafted, step.num_accepted, 1, int(step.predrafted),
+                                                      step.verify_time_ns, step.draft_wait_ns))
+                tokens, finish, text = self._emit(step.token_ids, remaining, detok)
+                generated += len(tokens)
+                if finish is None and step.finished:
+                    finish = FinishReason.CONTEXT_FULL  # the verifier ended it for want of room
+                # Nothing lost: the committed tokens are in the store before the client sees them.
+                await self.store.commit(spec.session_id, tokens, counters, (drafted,))
+                if finish is not None:
+                    text += detok.finish()
+                yield Chunk(token_ids=tokens, text=text, finish_reason=finish, completion_tokens=generated,
+                            counters=counters, last_num_speculative_tokens=drafted, **common)
+                if finish is not None:
+                    return
+        finally:
+            await steps.aclose()  # ends the session on the verifier (and its drafter) if it is still running
 
     def _emit(self, token_ids: tuple[int, ...], remaining: int, detok: Detokenizer) -> tuple[tuple[int, ...], FinishReason | None, str]:
         """Cut a step's tokens at max_new_tokens, end-of-sequence or a stop string."""

@@ -1,72 +1,74 @@
-"""DraftWorker / VerifyWorker over gRPC: the orchestrator's side of the internal hops."""
+"""The orchestrator's side of the internal hops over gRPC: run sessions on a verifier, ask workers about themselves."""
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
-from specdec.core.steps import DraftProposal, SequenceSync, SessionSpec, VerifyOutcome, WorkerInfo
+from specdec.core.errors import WorkerUnavailable
+from specdec.core.steps import SessionRun, StepCommit, WorkerInfo
 from specdec.rpc import wire
 from specdec.rpc.server import CHANNEL_OPTIONS
 from specdec.rpc.status import raise_for
-from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2_grpc
-
+from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
 # Absolute deadline (time.monotonic) of the client request being served, set by the Generation
 # servicer; worker calls made on its behalf get no more time than the client has left.
 request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_deadline", default=None)
 
 
-class _Remote:
-    """What both workers share: OpenSession, CloseSession, GetWorkerStatus (subclasses set ``_stub``)."""
+def _timeout(limit_s: float | None) -> float | None:
+    deadline = request_deadline.get()
+    if deadline is None:
+        return limit_s
+    left = max(0.001, deadline - time.monotonic())
+    return left if limit_s is None else min(limit_s, left)
 
-    _stub: drafter_pb2_grpc.DrafterStub | verifier_pb2_grpc.VerifierStub
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+class RemoteWorker:
+    """GetWorkerStatus of a draft or target worker (``kind`` picks the stub)."""
+
+    def __init__(self, address: str, kind: str, timeout_s: float = 30.0) -> None:
         self.address = address
         self._timeout = timeout_s
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-
-    async def _call(self, method, request, within_deadline: bool = True):
-        timeout = self._timeout
-        deadline = request_deadline.get() if within_deadline else None
-        if deadline is not None:
-            timeout = min(timeout, max(0.001, deadline - time.monotonic()))
-        try:
-            return await method(request, timeout=timeout)
-        except grpc.aio.AioRpcError as err:
-            raise_for(err, f"{type(self).__name__.removeprefix('Remote')} at {self.address}")
-
-    async def open(self, spec: SessionSpec) -> int:
-        return (await self._call(self._stub.OpenSession, wire.spec_to_pb(spec))).prefill_time_ns
-
-    async def close(self, session_id: str) -> bool:
-        # Cleanup outlives the request: an expired client deadline must not stop the release.
-        req = common_pb2.CloseSessionRequest(session_id=session_id)
-        return (await self._call(self._stub.CloseSession, req, within_deadline=False)).existed
+        stub = drafter_pb2_grpc.DrafterStub if kind == "draft" else verifier_pb2_grpc.VerifierStub
+        self._stub = stub(self._channel)
+        self._name = "Drafter" if kind == "draft" else "Verifier"
 
     async def status(self) -> WorkerInfo:
-        return wire.worker_info_from_pb(await self._call(self._stub.GetWorkerStatus, common_pb2.WorkerStatusRequest()))
+        try:
+            reply = await self._stub.GetWorkerStatus(common_pb2.WorkerStatusRequest(), timeout=_timeout(self._timeout))
+        except grpc.aio.AioRpcError as err:
+            raise_for(err, f"{self._name} at {self.address}")
+        return wire.worker_info_from_pb(reply)
 
     async def aclose(self) -> None:
         await self._channel.close()
 
 
-class RemoteDraftWorker(_Remote):
+class RemoteVerifyWorker(RemoteWorker):
+    """The VerifyWorker protocol over the Verifier's Generate stream."""
+
     def __init__(self, address: str, timeout_s: float = 30.0) -> None:
-        super().__init__(address, timeout_s)
-        self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
+        super().__init__(address, "target", timeout_s)
 
-    async def draft(self, session_id: str, sync: SequenceSync, num_speculative_tokens: int) -> DraftProposal:
-        req = drafter_pb2.DraftRequest(session_id=session_id, sync=wire.sync_to_pb(sync), num_speculative_tokens=num_speculative_tokens)
-        return wire.proposal_from_pb(await self._call(self._stub.Draft, req))
-
-
-class RemoteVerifyWorker(_Remote):
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
-        super().__init__(address, timeout_s)
-        self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
-
-    async def verify(self, session_id: str, sync: SequenceSync, proposal: DraftProposal) -> VerifyOutcome:
-        return wire.outcome_from_pb(await self._call(self._stub.Verify, wire.verify_request_to_pb(session_id, sync, proposal)))
+    async def run(self, run: SessionRun) -> AsyncIterator[StepCommit]:
+        call = self._stub.Generate(wire.run_to_pb(run), timeout=_timeout(None))
+        try:
+            while True:
+                # A worker that stops answering is as good as gone: each step gets timeout_s.
+                try:
+                    msg = await asyncio.wait_for(call.read(), self._timeout)
+                except asyncio.TimeoutError:
+                    raise WorkerUnavailable(f"Verifier at {self.address}: no step within {self._timeout:g}s") from None
+                if msg is grpc.aio.EOF:
+                    return
+                yield wire.commit_from_pb(msg)
+        except grpc.aio.AioRpcError as err:
+            raise_for(err, f"Verifier at {self.address}")
+        finally:
+            call.cancel()  # no-op once the stream ended; frees the session when we stop early

@@ -42,7 +42,8 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
         p.add_argument("--target", help=f"target model folder (default: ${ENV_TARGET} or the demo pair)")
     if draft:
         p.add_argument("--draft", help=f"draft model folder (default: ${ENV_DRAFT} or the demo pair)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per model process")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per model (default: 1 for generate and up, torch's own for serve)")
     p.add_argument("--reference-forward", action="store_true",
                    help="run models through the HF forward instead of specdec's lean decode path (slower; for checking)")
     if draft:
@@ -60,6 +61,8 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="model", help="model | ngram")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="fixed speculation length (default: adaptive)")
     p.add_argument("--max-speculative-tokens", type=int, default=8, help="adaptive upper bound")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="draft only after each verification (no drafting ahead); same output, usually slower")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--base-port", type=int, default=PORTS["orchestrator"], help="orchestrator port; draft +1, target +2")
     _add_model_args(up)
+
+    bench = sub.add_parser("bench", help="target-only vs in-process vs distributed speculation, k = 1..8 and adaptive, one run")
+    from specdec.bench import add_arguments as add_bench_arguments
+
+    add_bench_arguments(bench)
     return ap
 
 
@@ -101,9 +109,11 @@ def request_from_args(args) -> "GenerationRequest":
     seed = args.seed if args.seed is not None else secrets.randbits(63)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, seed)
     if args.num_speculative_tokens is None:
-        policy = SpeculationPolicy(SpeculationMode.ADAPTIVE, min(4, args.max_speculative_tokens), args.max_speculative_tokens)
+        policy = SpeculationPolicy(SpeculationMode.ADAPTIVE, min(4, args.max_speculative_tokens), args.max_speculative_tokens,
+                                   overlap=not args.no_overlap)
     else:
-        policy = SpeculationPolicy(SpeculationMode.FIXED, args.num_speculative_tokens, max(args.num_speculative_tokens, args.max_speculative_tokens))
+        policy = SpeculationPolicy(SpeculationMode.FIXED, args.num_speculative_tokens,
+                                   max(args.num_speculative_tokens, args.max_speculative_tokens), overlap=not args.no_overlap)
     return GenerationRequest(prompt_text=args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                              seed_given=args.seed is not None, stop=tuple(args.stop), drafter=args.drafter, policy=policy)
 
@@ -119,8 +129,11 @@ async def _generate_embedded(args) -> int:
     draft = model_path(args.draft, ENV_DRAFT, "draft") if args.drafter == "model" else (args.draft or os.environ.get(ENV_DRAFT))
     request = request_from_args(args)
     fast = not args.reference_forward
-    orch = roles.embedded(TargetConfig(target, threads=args.threads, fast_forward=fast),
-                          DraftConfig(draft, target, threads=args.threads, fast_draft_forward=fast, draft_dtype=args.draft_dtype),
+    # Drafter and verifier run on a thread each: one torch thread apiece fills two cores, and keeps
+    # this process fast when another one is busy (two threads each collapsed 6-8x there).
+    threads = args.threads or 1
+    orch = roles.embedded(TargetConfig(target, threads=threads, fast_forward=fast),
+                          DraftConfig(draft, target, threads=threads, fast_draft_forward=fast, draft_dtype=args.draft_dtype),
                           OrchestratorConfig(default_drafter=args.drafter))
     t0 = time.perf_counter()
     ids: list[int] = []
@@ -153,13 +166,16 @@ async def _generate_remote(args) -> int:
 
     from specdec.rpc.server import CHANNEL_OPTIONS
     from specdec.v1 import common_pb2, generation_pb2 as pb, generation_pb2_grpc
+    from specdec.v1.common_pb2 import SPECULATION_MODE_ADAPTIVE, SPECULATION_MODE_FIXED
 
     sampling = common_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.seed is not None:
         sampling.seed = args.seed
-    policy = pb.SpeculationPolicy(mode=pb.SPECULATION_MODE_ADAPTIVE, max_speculative_tokens=args.max_speculative_tokens)
+    policy = common_pb2.SpeculationPolicy(mode=SPECULATION_MODE_ADAPTIVE, max_speculative_tokens=args.max_speculative_tokens,
+                                          overlap=not args.no_overlap)
     if args.num_speculative_tokens is not None:
-        policy = pb.SpeculationPolicy(mode=pb.SPECULATION_MODE_FIXED, num_speculative_tokens=args.num_speculative_tokens)
+        policy = common_pb2.SpeculationPolicy(mode=SPECULATION_MODE_FIXED, num_speculative_tokens=args.num_speculative_tokens,
+                                              overlap=not args.no_overlap)
     req = pb.GenerateRequest(text=args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
                              drafter=args.drafter, speculation=policy)
     async with grpc.aio.insecure_channel(args.server, options=CHANNEL_OPTIONS) as channel:
@@ -216,8 +232,11 @@ def _up(args) -> int:
     draft = model_path(args.draft, ENV_DRAFT, "draft")
     ports = {"orchestrator": args.base_port, "draft": args.base_port + 1, "target": args.base_port + 2}
     common = [sys.executable, "-m", "specdec", "serve", "--host", args.host, "--target", target, "--draft", draft]
-    if args.threads:
-        common += ["--threads", str(args.threads)]
+    # Three processes share this machine's cores: one torch thread per model process unless told
+    # otherwise, and OpenMP threads that sleep when idle instead of spinning on a core another
+    # process needs (FINDINGS.md: spinning made a neighbour 20-100x slower).
+    common += ["--threads", str(args.threads or 1)]
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     if args.reference_forward:
         common += ["--reference-forward"]
     common += ["--draft-dtype", args.draft_dtype]
@@ -225,7 +244,7 @@ def _up(args) -> int:
         role: subprocess.Popen(common + [role, "--port", str(ports[role]),
                                          "--drafter-address", f"{args.host}:{ports['draft']}",
                                          "--verifier-address", f"{args.host}:{ports['target']}",
-                                         *(["--redis-url", args.redis_url] if role == "orchestrator" else [])])
+                                         *(["--redis-url", args.redis_url] if role == "orchestrator" else [])], env=env)
         for role in ("target", "draft", "orchestrator")
     }
     print(f"specdec up: starting orchestrator {args.host}:{ports['orchestrator']}, draft :{ports['draft']}, "
@@ -281,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_generate_remote(args) if args.server else _generate_embedded(args))
         if args.command == "serve":
             return asyncio.run(_serve(args))
+        if args.command == "bench":
+            from specdec import bench
+
+            return bench.run(args)
         return _up(args)
     except (UsageError, SpecdecError) as exc:
         print(f"specdec: {exc}", file=sys.stderr)

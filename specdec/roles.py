@@ -1,7 +1,7 @@
 """Composition root: wire engines, servicers, stores and the loop into runnable roles.
 
 Each role can run as its own gRPC server (``specdec serve ...``), or all roles in one process with
-direct calls and the in-memory store (``specdec generate``): the same engines and the same loop.
+direct calls and the in-memory store (``specdec generate``): the same engines, threads and loop.
 """
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 from specdec.core.sessions import InMemorySessionStore, SessionStore
 from specdec.draft.drafters import DraftConfig
-from specdec.draft.engine import AsyncDraftEngine, DraftEngine
+from specdec.draft.engine import DraftEngine
 from specdec.orchestrator.loop import Orchestrator, TargetInfo
 from specdec.orchestrator.request import OrchestratorConfig
 from specdec.rpc.server import RunningServer, ServerConfig, start_server
 from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
+from specdec.target.loop import LoopConfig
+from specdec.target.worker import LocalVerifier
 
 log = logging.getLogger(__name__)
 
@@ -29,28 +31,40 @@ def make_store(redis_url: str | None, ttl_s: float) -> SessionStore:
     return InMemorySessionStore(ttl_s=ttl_s)
 
 
-def embedded(target: TargetConfig, draft: DraftConfig, config: OrchestratorConfig, store: SessionStore | None = None) -> Orchestrator:
-    """All roles in this process, called directly (no threads, no sockets)."""
-    verifier = VerifierEngine.from_config(target)
-    drafter = DraftEngine.from_config(draft)
+def embedded(target: TargetConfig, draft: DraftConfig, config: OrchestratorConfig, store: SessionStore | None = None,
+             loop_config: LoopConfig = LoopConfig()) -> Orchestrator:
+    """All roles in this process: the same engines, threads and loop as the servers, no sockets."""
+    return embedded_engines(VerifierEngine.from_config(target), DraftEngine.from_config(draft), config, store, loop_config)
+
+
+def embedded_engines(verifier: VerifierEngine, drafter: DraftEngine, config: OrchestratorConfig,
+                     store: SessionStore | None = None, loop_config: LoopConfig = LoopConfig()) -> Orchestrator:
+    """An orchestrator over engines already loaded, in this process."""
+    from specdec.draft.link import LocalDraftLink
+
     loaded = verifier.loaded
     info = TargetInfo(loaded.tokenizer, loaded.vocab_size, loaded.context_length, loaded.eos_token_id, tuple(drafter.drafters))
-    return Orchestrator(info, AsyncDraftEngine(drafter, threaded=False), AsyncVerifierEngine(verifier, threaded=False),
-                        store or InMemorySessionStore(config.session_ttl_s), config)
+    local = LocalVerifier(AsyncVerifierEngine(verifier), lambda run: LocalDraftLink(drafter), loop_config)
+    return Orchestrator(info, local, store or InMemorySessionStore(config.session_ttl_s), config)
 
 
-async def start_draft(config: DraftConfig, server: ServerConfig) -> tuple[RunningServer, AsyncDraftEngine]:
+async def start_draft(config: DraftConfig, server: ServerConfig) -> tuple[RunningServer, DraftEngine]:
     from specdec.draft import servicer
 
-    engine = AsyncDraftEngine(DraftEngine.from_config(config))
+    engine = DraftEngine.from_config(config)
     return await start_server(server, servicer.register(engine), [servicer.SERVICE_NAME]), engine
 
 
-async def start_target(config: TargetConfig, server: ServerConfig) -> tuple[RunningServer, AsyncVerifierEngine]:
+async def start_target(config: TargetConfig, server: ServerConfig,
+                       loop_config: LoopConfig = LoopConfig()) -> tuple[RunningServer, LocalVerifier]:
     from specdec.target import servicer
+    from specdec.target.draft_client import DraftChannels, RemoteDraftLink
 
+    channels = DraftChannels()
     engine = AsyncVerifierEngine(VerifierEngine.from_config(config))
-    return await start_server(server, servicer.register(engine), [servicer.SERVICE_NAME]), engine
+    verifier = LocalVerifier(engine, lambda run: RemoteDraftLink(channels, run.drafter_address) if run.drafter_address else None,
+                             loop_config)
+    return await start_server(server, servicer.register(verifier), [servicer.SERVICE_NAME]), verifier
 
 
 @dataclass(frozen=True)
@@ -66,15 +80,16 @@ async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, s
     from transformers import AutoTokenizer
 
     from specdec.orchestrator import servicer
-    from specdec.orchestrator.remote import RemoteDraftWorker, RemoteVerifyWorker
+    from specdec.orchestrator.remote import RemoteVerifyWorker, RemoteWorker
 
-    drafter = RemoteDraftWorker(upstreams.drafter_address, upstreams.timeout_s)
+    drafter = RemoteWorker(upstreams.drafter_address, "draft", upstreams.timeout_s)
     verifier = RemoteVerifyWorker(upstreams.verifier_address, upstreams.timeout_s)
     status = await _wait_for(verifier.status, wait_s, f"verifier at {upstreams.verifier_address}")
     draft_status = await _wait_for(drafter.status, wait_s, f"drafter at {upstreams.drafter_address}")
+    await drafter.aclose()
     tokenizer = AutoTokenizer.from_pretrained(upstreams.tokenizer_path, local_files_only=True)
     info = TargetInfo(tokenizer, status.vocab_size, status.context_length, tokenizer.eos_token_id, draft_status.drafters)
-    orch = Orchestrator(info, drafter, verifier, store, config)
+    orch = Orchestrator(info, verifier, store, config, drafter_address=upstreams.drafter_address)
     return await start_server(server, servicer.register(orch), [servicer.SERVICE_NAME]), orch
 
 

@@ -12,11 +12,12 @@ import grpc
 from specdec import roles
 from specdec.core.redis_store import RedisSessionStore
 from specdec.draft.drafters import DraftConfig
-from specdec.draft.engine import AsyncDraftEngine
+from specdec.draft.engine import DraftEngine
 from specdec.orchestrator.loop import Orchestrator
 from specdec.orchestrator.request import OrchestratorConfig
 from specdec.rpc.server import RunningServer, ServerConfig
-from specdec.target.engine import AsyncVerifierEngine, TargetConfig
+from specdec.target.engine import TargetConfig
+from specdec.target.worker import LocalVerifier
 from specdec.v1 import generation_pb2_grpc
 
 LOOPBACK = ServerConfig("127.0.0.1", 0)
@@ -25,8 +26,8 @@ LOOPBACK = ServerConfig("127.0.0.1", 0)
 @dataclass
 class Cluster:
     servers: list[RunningServer]
-    draft: AsyncDraftEngine
-    target: AsyncVerifierEngine
+    draft: DraftEngine
+    target: LocalVerifier
     orchestrator: Orchestrator
     store: RedisSessionStore
     address: str  # the orchestrator's Generation service
@@ -35,7 +36,7 @@ class Cluster:
 
     async def active_sessions(self) -> tuple[int, int]:
         """Open sessions on (draft worker, target worker)."""
-        return (await self.draft.status()).active_sessions, (await self.target.status()).active_sessions
+        return self.draft.status().active_sessions, (await self.target.status()).active_sessions
 
     async def stop(self) -> None:
         await self.channel.close()

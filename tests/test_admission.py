@@ -18,7 +18,7 @@ from cluster import LOOPBACK
 
 async def test_over_capacity_is_resource_exhausted_not_queued(cluster):
     live = cluster.orchestrator
-    orch = Orchestrator(live.target, live.drafter, live.verifier, cluster.store, OrchestratorConfig(max_concurrent_requests=1))
+    orch = Orchestrator(live.target, live.verifier, cluster.store, OrchestratorConfig(max_concurrent_requests=1), live.drafter_address)
     server = await start_server(LOOPBACK, register(orch), ["specdec.v1.Generation"])
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:

@@ -1,19 +1,39 @@
-"""Bad input over real gRPC: every mistake gets its exact status code and a message that says what to fix.
+"""Bad input: every mistake gets its exact status code and a message that says what to fix, never UNKNOWN.
 
-Client API (Generation) through the orchestrator, then the internal hops (Drafter, Verifier) called
-directly. Nothing here may leave a session open on a worker.
+Client API (Generation) through the orchestrator; then the internal hops over real gRPC, called
+directly (Verifier.Generate, Drafter.Speculate); then the engines' own checks of what a step carries
+(a refused step changes nothing); last, a drafter that sends bad blocks, which must not fail the
+client. Nothing here may leave a session open on a worker.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
+import math
+import queue
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import pytest
 import pytest_asyncio
 
+from specdec.core.errors import InvalidRequest, SessionOutOfSync
+from specdec.core.sampling import SamplingParams
+from specdec.core.sessions import InMemorySessionStore
+from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+from specdec.core.steps import DraftBlock, DraftProposal, SessionSpec, SparseDistribution, StepOutcome, WorkerInfo
+from specdec.draft.drafters import DraftConfig
+from specdec.draft.engine import DraftEngine
+from specdec.draft.ngram import NgramDrafter
+from specdec.orchestrator.loop import Orchestrator, TargetInfo, collect
+from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
+from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
+from specdec.target.loop import LoopConfig
+from specdec.target.worker import LocalVerifier
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, generation_pb2 as pb, verifier_pb2, verifier_pb2_grpc
+
+from test_e2e import reference_greedy
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -35,7 +55,7 @@ def req(*, text: str | None = "def f():", ids: list[int] | None = None, max_new:
     elif text is not None:
         msg.text = text
     if fixed_k is not None:
-        msg.speculation.CopyFrom(pb.SpeculationPolicy(mode=pb.SPECULATION_MODE_FIXED, num_speculative_tokens=fixed_k))
+        msg.speculation.CopyFrom(common_pb2.SpeculationPolicy(mode=common_pb2.SPECULATION_MODE_FIXED, num_speculative_tokens=fixed_k))
     return msg
 
 
@@ -65,12 +85,12 @@ BAD_REQUESTS: list[tuple[str, Callable[[], pb.GenerateRequest], str]] = [
     ("fixed-k-above-max", lambda: req(fixed_k=65), "num_speculative_tokens"),
     ("adaptive-max-k-above-max", lambda: pb.GenerateRequest(
         text="def f():", max_new_tokens=4,
-        speculation=pb.SpeculationPolicy(mode=pb.SPECULATION_MODE_ADAPTIVE, max_speculative_tokens=65)), "max_speculative_tokens"),
+        speculation=common_pb2.SpeculationPolicy(mode=common_pb2.SPECULATION_MODE_ADAPTIVE, max_speculative_tokens=65)), "max_speculative_tokens"),
     ("adaptive-start-above-its-max", lambda: pb.GenerateRequest(
-        text="def f():", max_new_tokens=4, speculation=pb.SpeculationPolicy(
-            mode=pb.SPECULATION_MODE_ADAPTIVE, num_speculative_tokens=6, max_speculative_tokens=3)), "max_speculative_tokens"),
+        text="def f():", max_new_tokens=4, speculation=common_pb2.SpeculationPolicy(
+            mode=common_pb2.SPECULATION_MODE_ADAPTIVE, num_speculative_tokens=6, max_speculative_tokens=3)), "max_speculative_tokens"),
     ("unknown-speculation-mode", lambda: pb.GenerateRequest(
-        text="def f():", max_new_tokens=4, speculation=pb.SpeculationPolicy(mode=7)), "speculation.mode"),
+        text="def f():", max_new_tokens=4, speculation=common_pb2.SpeculationPolicy(mode=7)), "speculation.mode"),
 ]
 
 
@@ -137,7 +157,10 @@ async def test_get_session_malformed_id_is_invalid_argument(cluster, session_id)
     assert "session id" in info.value.details()
 
 
-# ----------------------------------------------------------------------------- internal hops
+# ----------------------------------------------------------------------------- internal hops over gRPC
+
+PROMPT = [1, 2, 3, 1, 2]  # valid ids; the n-gram drafter continues them with 3, 1, 2
+N = len(PROMPT)
 
 
 @pytest_asyncio.fixture
@@ -150,20 +173,12 @@ async def hops(cluster):
     await target_channel.close()
 
 
-PROMPT = [10, 20, 30, 40, 50]
-
-
-def open_request(session_id: str, drafter: str = "", prompt: list[int] = PROMPT, **sampling) -> common_pb2.OpenSessionRequest:
-    return common_pb2.OpenSessionRequest(session_id=session_id, prompt_token_ids=prompt, drafter=drafter,
+def open_request(session_id: str | None = None, drafter: str = "ngram", prompt: Sequence[int] = PROMPT,
+                 **sampling) -> common_pb2.OpenSessionRequest:
+    """A valid open (fresh session id, greedy, seed set) unless a keyword makes it bad."""
+    return common_pb2.OpenSessionRequest(session_id=secrets.token_hex(16) if session_id is None else session_id,
+                                         prompt_token_ids=list(prompt), drafter=drafter,
                                          sampling=common_pb2.SamplingParams(seed=sampling.pop("seed", 1), **sampling))
-
-
-def verify(session_id: str, base_len: int, drafts: list[int] = (), dists: list[tuple[list[int], list[float]]] = (),
-           append: list[int] = ()) -> verifier_pb2.VerifyRequest:
-    return verifier_pb2.VerifyRequest(
-        session_id=session_id, sync=common_pb2.SequenceSync(base_len=base_len, append_ids=list(append)),
-        draft_token_ids=list(drafts),
-        draft_distributions=[common_pb2.DraftDistribution(token_ids=t, probs=p) for t, p in dists])
 
 
 async def expect(code: grpc.StatusCode, word: str, coro) -> None:
@@ -173,97 +188,311 @@ async def expect(code: grpc.StatusCode, word: str, coro) -> None:
     assert word in info.value.details(), info.value.details()
 
 
-async def test_unknown_session_is_not_found_on_both_workers(hops):
-    drafter, verifier = hops
-    sid = secrets.token_hex(16)
-    sync = common_pb2.SequenceSync(base_len=3)
-    await expect(NOT_FOUND, sid, drafter.Draft(drafter_pb2.DraftRequest(session_id=sid, sync=sync, num_speculative_tokens=2), timeout=10))
-    await expect(NOT_FOUND, sid, verifier.Verify(verify(sid, 3), timeout=10))
+async def drain(call) -> list:
+    return [msg async for msg in call]
 
 
-async def test_close_unknown_session_is_not_an_error(hops):
-    drafter, verifier = hops
-    sid = secrets.token_hex(16)
-    assert not (await drafter.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), timeout=10)).existed
-    assert not (await verifier.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), timeout=10)).existed
+async def sessions_drop_to_zero(status: Callable[[], WorkerInfo | Awaitable[WorkerInfo]], timeout_s: float = 5.0) -> int:
+    """An engine's open sessions, polled until none (or the time is up): sessions are freed as
+    streams and loops wind down, just after the caller has seen the end."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        info = status()
+        active = (await info if inspect.isawaitable(info) else info).active_sessions
+        if not active or loop.time() >= deadline:
+            return active
+        await asyncio.sleep(0.05)
 
 
-@pytest.mark.parametrize("session_id", ["", "ABCDEF" + "0" * 26, "0" * 31, "0" * 33, "g" * 32, "{x}"])
-async def test_open_session_malformed_id_is_invalid_argument(hops, session_id):
-    drafter, verifier = hops
-    await expect(INVALID, "session id", drafter.OpenSession(open_request(session_id, "ngram"), timeout=10))
-    await expect(INVALID, "session id", verifier.OpenSession(open_request(session_id), timeout=10))
+# Verifier.Generate ------------------------------------------------------------
 
 
-async def test_open_session_bad_input_is_invalid_argument(hops):
-    drafter, verifier = hops
-    sid = secrets.token_hex(16)
-    await expect(INVALID, "drafter", drafter.OpenSession(open_request(sid, "no-such-drafter"), timeout=10))
-    await expect(INVALID, "prompt", drafter.OpenSession(open_request(sid, "model", prompt=[]), timeout=10))
-    await expect(INVALID, "prompt", verifier.OpenSession(open_request(sid, prompt=[]), timeout=10))
-    await expect(INVALID, "vocabulary", verifier.OpenSession(open_request(sid, prompt=[1, VOCAB]), timeout=10))
-    await expect(INVALID, "vocabulary", drafter.OpenSession(open_request(sid, "model", prompt=[1, VOCAB]), timeout=10))
-    await expect(INVALID, "context", verifier.OpenSession(open_request(sid, prompt=[1] * CONTEXT), timeout=10))
-    await expect(INVALID, "temperature", verifier.OpenSession(open_request(sid, temperature=-1.0), timeout=10))
-    await expect(INVALID, "top_p", drafter.OpenSession(open_request(sid, "model", temperature=1.0, top_p=2.0), timeout=10))
-    # None of the failed opens left a session behind.
-    for stub in hops:
-        assert not (await stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), timeout=10)).existed
+def session_request(cluster, **open_kw) -> verifier_pb2.SessionRequest:
+    """A valid session (4 greedy tokens, k=2, drafts streamed from the cluster's drafter) unless a keyword or edit makes it bad."""
+    return verifier_pb2.SessionRequest(
+        session=open_request(**open_kw), drafter_address=cluster.servers[0].address, max_new_tokens=4,
+        speculation=common_pb2.SpeculationPolicy(mode=common_pb2.SPECULATION_MODE_FIXED, num_speculative_tokens=2))
 
 
-async def test_verify_bad_input_on_a_real_session(hops):
+def _set(path: str, value) -> Callable[[verifier_pb2.SessionRequest], None]:
+    """An edit that sets one field, e.g. ``_set("session.sampling.temperature", -1.0)``."""
+    *parents, name = path.split(".")
+
+    def edit(msg) -> None:
+        for p in parents:
+            msg = getattr(msg, p)
+        setattr(msg, name, value)
+
+    return edit
+
+
+def _prompt(ids: list[int]) -> Callable[[verifier_pb2.SessionRequest], None]:
+    def edit(msg) -> None:
+        del msg.session.prompt_token_ids[:]
+        msg.session.prompt_token_ids.extend(ids)
+
+    return edit
+
+
+# (id, edit of a valid SessionRequest, the word the message must contain)
+BAD_SESSIONS: list[tuple[str, Callable[[verifier_pb2.SessionRequest], None], str]] = [
+    ("no-session", lambda m: m.ClearField("session"), "session"),
+    ("no-speculation", lambda m: m.ClearField("speculation"), "speculation"),
+    ("empty-session-id", _set("session.session_id", ""), "session id"),
+    ("malformed-session-id", _set("session.session_id", "not a session id"), "session id"),
+    ("uppercase-session-id", _set("session.session_id", "ABCDEF" + "0" * 26), "session id"),
+    ("empty-prompt", _prompt([]), "prompt"),
+    ("prompt-id-too-large", _prompt([1, 2, VOCAB]), "vocabulary"),
+    ("prompt-id-negative", _prompt([1, -1, 2]), "vocabulary"),
+    ("prompt-fills-context", _prompt([7] * CONTEXT), "context"),
+    ("negative-temperature", _set("session.sampling.temperature", -1.0), "temperature"),
+    ("nan-temperature", _set("session.sampling.temperature", float("nan")), "temperature"),
+    ("top-p-above-1", _set("session.sampling.top_p", 2.0), "top_p"),
+    ("k-above-max", _set("speculation.num_speculative_tokens", 65), "num_speculative_tokens"),
+]
+
+
+async def test_generate_valid_session_runs_to_the_end(cluster, hops):
+    """The baseline the bad sessions below differ from by one thing each."""
     _, verifier = hops
-    sid = secrets.token_hex(16)
-    await verifier.OpenSession(open_request(sid), timeout=30)
-    try:
-        n = len(PROMPT)
-        await expect(INVALID, "already open", verifier.OpenSession(open_request(sid), timeout=10))
-        await expect(INVALID, "vocabulary", verifier.Verify(verify(sid, n, drafts=[5, VOCAB]), timeout=10))
-        await expect(INVALID, "vocabulary", verifier.Verify(verify(sid, n, drafts=[-3]), timeout=10))
-        await expect(INVALID, "distributions", verifier.Verify(
-            verify(sid, n, drafts=[5, 6], dists=[([5], [1.0])]), timeout=10))
-        await expect(INVALID, "sum to 1", verifier.Verify(
-            verify(sid, n, drafts=[5], dists=[([5, 6], [0.5, 0.2])]), timeout=10))
-        await expect(INVALID, "positive", verifier.Verify(
-            verify(sid, n, drafts=[5], dists=[([5, 6], [float("nan"), 1.0])]), timeout=10))
-        await expect(INVALID, "distinct", verifier.Verify(
-            verify(sid, n, drafts=[5], dists=[([5, 5], [0.5, 0.5])]), timeout=10))
-        await expect(INVALID, "zero probability", verifier.Verify(
-            verify(sid, n, drafts=[5], dists=[([6], [1.0])]), timeout=10))
-        await expect(INVALID, "context", verifier.Verify(verify(sid, n, drafts=[5] * CONTEXT), timeout=10))
-        await expect(PRECONDITION, "base_len", verifier.Verify(verify(sid, n + 1), timeout=10))
-        await expect(PRECONDITION, "base_len", verifier.Verify(verify(sid, 1000), timeout=10))
-        # Tokens synced in must be valid too: they are fed to the model.
-        await expect(INVALID, "vocabulary", verifier.Verify(verify(sid, n, append=[VOCAB]), timeout=10))
-        await expect(INVALID, "context", verifier.Verify(verify(sid, n, append=[1] * CONTEXT), timeout=10))
-        # No failed step changed the session: a plain decoding step commits exactly one token after the prompt.
-        ok = await verifier.Verify(verify(sid, n), timeout=30)
-        assert ok.committed_len == n + 1 and len(ok.token_ids) == 1 and ok.num_accepted == 0
-    finally:
-        assert (await verifier.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), timeout=10)).existed
+    commits = await drain(verifier.Generate(session_request(cluster), timeout=30))
+    assert sum(len(c.token_ids) for c in commits) == 4
+    assert commits[-1].finished and not any(c.finished for c in commits[:-1])
+    assert commits[-1].committed_len == N + 4
+    assert await wait_for_no_sessions(cluster) == (0, 0)
 
 
-@pytest.mark.parametrize("which", ["model", "ngram"])
-async def test_draft_bad_input_on_a_real_session(hops, which):
+@pytest.mark.parametrize("edit, word", [pytest.param(e, w, id=i) for i, e, w in BAD_SESSIONS])
+async def test_generate_bad_session_is_invalid_argument(cluster, hops, edit, word):
+    _, verifier = hops
+    msg = session_request(cluster)
+    edit(msg)
+    await expect(INVALID, word, drain(verifier.Generate(msg, timeout=30)))
+    assert await wait_for_no_sessions(cluster) == (0, 0), "a refused session was left open on a worker"
+
+
+# Drafter.Speculate ------------------------------------------------------------
+
+
+def opening(**open_kw) -> drafter_pb2.SpeculateRequest:
+    return drafter_pb2.SpeculateRequest(open=open_request(**open_kw))
+
+
+def outcome(committed_len: int, token_ids: Sequence[int] = (), k: int = 3, overlap: bool = False) -> drafter_pb2.SpeculateRequest:
+    return drafter_pb2.SpeculateRequest(outcome=drafter_pb2.StepOutcome(
+        committed_len=committed_len, token_ids=list(token_ids), num_speculative_tokens=k, overlap=overlap))
+
+
+async def speculate(drafter, messages: list[drafter_pb2.SpeculateRequest]) -> list[drafter_pb2.DraftBlock]:
+    """Send ``messages``, close our side, read the stream to its end."""
+    async def requests():
+        for m in messages:
+            yield m
+
+    return await drain(drafter.Speculate(requests(), timeout=30))
+
+
+# (id, the stream's messages, status, the word the message must contain[, marks])
+BAD_STREAMS = [
+    ("outcome-first", lambda: [outcome(N)], INVALID, "open"),
+    ("unknown-drafter", lambda: [opening(drafter="no-such-drafter")], INVALID, "no-such-drafter"),
+    ("empty-session-id", lambda: [opening(session_id="")], INVALID, "session id"),
+    ("malformed-session-id", lambda: [opening(session_id="g" * 32)], INVALID, "session id"),
+    ("empty-prompt", lambda: [opening(prompt=[])], INVALID, "prompt"),
+    ("prompt-id-too-large", lambda: [opening(drafter="model", prompt=[1, VOCAB])], INVALID, "vocabulary"),
+    ("prompt-fills-context", lambda: [opening(drafter="model", prompt=[1] * CONTEXT)], INVALID, "context"),
+    ("negative-temperature", lambda: [opening(temperature=-1.0)], INVALID, "temperature"),  # found while decoding `open`
+    ("top-p-above-1", lambda: [opening(drafter="model", temperature=1.0, top_p=2.0)], INVALID, "top_p"),
+    ("second-open", lambda: [opening(), opening()], INVALID, "outcome"),
+    # The worker holds N tokens: an outcome must extend a prefix of them.
+    ("outcome-past-what-is-held", lambda: [opening(), outcome(N + 1)], PRECONDITION, f"holds {N}"),
+    ("outcome-before-the-start", lambda: [opening(), outcome(2, [5, 6, 7])], PRECONDITION, f"holds {N}"),
+    ("outcome-after-a-gap", lambda: [opening(), outcome(N + 3, [5])], PRECONDITION, f"holds {N}"),
+    ("outcome-too-many-tokens", lambda: [opening(), outcome(N + 66, [1] * 66)], INVALID, "at most 65"),
+    ("outcome-k-above-max", lambda: [opening(), outcome(N, k=65)], INVALID, "num_speculative_tokens"),
+    ("ngram-outcome-id-negative", lambda: [opening(), outcome(N + 1, [-1])], INVALID, "vocabulary"),
+    ("model-outcome-id-negative", lambda: [opening(drafter="model"), outcome(N + 1, [-1])], INVALID, "vocabulary"),
+    # The n-gram drafter has no vocabulary: any non-negative int32 is a token to it.
+    ("model-outcome-id-too-large", lambda: [opening(drafter="model"), outcome(N + 1, [VOCAB])], INVALID, "vocabulary"),
+]
+
+
+@pytest.mark.parametrize("messages, code, word", [pytest.param(m, c, w, id=i, marks=marks) for i, m, c, w, *marks in BAD_STREAMS])
+async def test_speculate_bad_stream_gets_its_status(cluster, hops, messages, code, word):
     drafter, _ = hops
+    await expect(code, word, speculate(drafter, messages()))
+    assert await sessions_drop_to_zero(cluster.draft.status) == 0, "the stream ended but its session is still open"
+
+
+@pytest.mark.parametrize("end", ["close", "cancel"])
+@pytest.mark.parametrize("which", ["ngram", "model"])
+async def test_speculate_streams_the_block_asked_for_and_frees_the_session(cluster, hops, which, end):
+    drafter, _ = hops
+    call = drafter.Speculate(timeout=30)
+    await call.write(opening(drafter=which))
+    await call.write(outcome(N, k=3, overlap=False))  # nothing committed yet; draft 3, no pre-drafts
+    block = await call.read()
+    assert block.anchor_len == N and list(block.assumed_ids) == []  # drafted just in time for the prompt
+    assert 1 <= len(block.draft_token_ids) <= 3
+    assert all(0 <= t < VOCAB for t in block.draft_token_ids)
+    assert not block.draft_distributions  # greedy drafts are point masses
+    if which == "ngram":
+        assert list(block.draft_token_ids) == [3, 1, 2]  # what followed the earlier "1, 2"
+    assert cluster.draft.status().active_sessions == 1
+    if end == "close":
+        await call.done_writing()
+        while (msg := await call.read()) is not grpc.aio.EOF:  # no pre-drafts were asked for, but any block is fine
+            assert msg.anchor_len == N
+        assert await call.code() == grpc.StatusCode.OK
+    else:
+        call.cancel()
+    assert await sessions_drop_to_zero(cluster.draft.status) == 0
+
+
+# ----------------------------------------------------------------------------- the engines' own checks
+
+
+def test_draft_engine_refused_outcome_changes_nothing():
+    """Each refused outcome would have committed a token (and asked for 2 drafts) had any of it been applied."""
+    engine = DraftEngine({"ngram": NgramDrafter(3, 1)}, DraftConfig())
+    blocks: queue.Queue[DraftBlock] = queue.Queue()
     sid = secrets.token_hex(16)
-    n = len(PROMPT)
-    await drafter.OpenSession(open_request(sid, which), timeout=30)
-
-    def draft(base_len: int = n, k: int = 2, append: list[int] = ()):
-        sync = common_pb2.SequenceSync(base_len=base_len, append_ids=list(append))
-        return drafter.Draft(drafter_pb2.DraftRequest(session_id=sid, sync=sync, num_speculative_tokens=k), timeout=10)
-
     try:
-        await expect(INVALID, "num_speculative_tokens", draft(k=65))
-        await expect(PRECONDITION, "base_len", draft(base_len=n + 1))
-        await expect(INVALID, "vocabulary", draft(append=[-1]))
-        if which == "model":  # the n-gram drafter has no vocabulary to check against
-            await expect(INVALID, "vocabulary", draft(append=[VOCAB]))
-        ok = await draft(k=2)
-        assert len(ok.draft_token_ids) <= 2
+        engine.open(SessionSpec(sid, tuple(PROMPT), SamplingParams(seed=1), "ngram"), blocks.put).result(timeout=10)
+        refused = [
+            (StepOutcome(N + 2, (3,), 2, False), SessionOutOfSync, f"holds {N}"),
+            (StepOutcome(N + 1, (-1,), 2, False), InvalidRequest, "vocabulary"),
+            (StepOutcome(N + 1, (3,), 65, False), InvalidRequest, "num_speculative_tokens"),
+        ]
+        for bad, error, word in refused:
+            with pytest.raises(error, match=word):
+                engine.outcome(sid, bad)
+        assert blocks.empty()  # k is still 0: nothing drafted
+        engine.outcome(sid, StepOutcome(N, (), 3, False))
+        block = blocks.get(timeout=10)
+        # Drafted for the prompt alone, 3 tokens long: no refused outcome left a trace.
+        assert (block.anchor_len, block.assumed_ids, block.proposal.token_ids) == (N, (), (3, 1, 2))
     finally:
-        assert (await drafter.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), timeout=10)).existed
+        engine.close(sid)
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def verifier_engine(tiny_pair) -> VerifierEngine:
+    target_path, _ = tiny_pair
+    return VerifierEngine.from_config(TargetConfig(target_path))
+
+
+def dist(ids: list[int], probs: list[float]) -> SparseDistribution:
+    return SparseDistribution(tuple(ids), tuple(probs))
+
+
+SAMPLED = SamplingParams(temperature=1.0, seed=3)  # sampled, so the outcome depends on every position's random draw
+GOOD = DraftProposal((5, 6), (dist([5, 6], [0.75, 0.25]), dist([6, 7], [0.5, 0.5])))
+
+# (id, proposal, the word the message must contain)
+BAD_PROPOSALS = [
+    ("draft-id-too-large", DraftProposal((5, VOCAB)), "vocabulary"),
+    ("draft-id-negative", DraftProposal((-3,)), "vocabulary"),
+    ("too-few-distributions", DraftProposal((5, 6), (dist([5], [1.0]),)), "distributions"),
+    ("too-many-distributions", DraftProposal((5,), (dist([5], [1.0]), dist([6], [1.0]))), "distributions"),
+    ("probs-do-not-sum-to-1", DraftProposal((5,), (dist([5, 6], [0.5, 0.2]),)), "sum to 1"),
+    ("nan-prob", DraftProposal((5,), (dist([5, 6], [math.nan, 1.0]),)), "positive"),
+    ("zero-prob", DraftProposal((5,), (dist([5, 6], [1.0, 0.0]),)), "positive"),
+    ("negative-prob", DraftProposal((5,), (dist([5, 6], [1.5, -0.5]),)), "positive"),
+    ("duplicate-ids", DraftProposal((5,), (dist([5, 5], [0.5, 0.5]),)), "distinct"),
+    ("distribution-id-outside-vocab", DraftProposal((5,), (dist([5, VOCAB], [0.5, 0.5]),)), "inside"),
+    ("ids-and-probs-differ-in-length", DraftProposal((5,), (dist([5, 6], [1.0]),)), "equal length"),
+    ("empty-distribution", DraftProposal((5,), (dist([], []),)), "non-empty"),
+    # Drawn from a distribution that cannot give it: the rejection rule would divide by zero.
+    ("draft-has-zero-probability", DraftProposal((5,), (dist([6], [1.0]),)), "zero probability"),
+    ("more-drafts-than-the-context-holds", DraftProposal((5,) * CONTEXT), "context"),
+]
+
+
+def verify_on_fresh_session(engine: VerifierEngine, proposal: DraftProposal) -> tuple:
+    sid = secrets.token_hex(16)
+    engine.open(SessionSpec(sid, tuple(PROMPT), SAMPLED))
+    try:
+        out = engine.verify(sid, proposal)
+        return out.token_ids, out.num_accepted, out.committed_len
+    finally:
+        engine.close(sid)
+
+
+@pytest.mark.parametrize("proposal, word", [pytest.param(p, w, id=i) for i, p, w in BAD_PROPOSALS])
+def test_verify_refuses_a_bad_proposal_and_changes_nothing(verifier_engine, proposal, word):
+    engine = verifier_engine
+    expected = verify_on_fresh_session(engine, GOOD)
+    sid = secrets.token_hex(16)
+    engine.open(SessionSpec(sid, tuple(PROMPT), SAMPLED))
+    try:
+        with pytest.raises(InvalidRequest, match=word):
+            engine.verify(sid, proposal)
+        out = engine.verify(sid, GOOD)
+        assert (out.token_ids, out.num_accepted, out.committed_len) == expected
+        assert out.committed_len == N + out.num_accepted + 1
+    finally:
+        assert engine.close(sid)
+    assert engine.status().active_sessions == 0
+
+
+# ----------------------------------------------------------------------------- a drafter that sends bad blocks
+
+
+class FakeBadDrafterLink:
+    """A fake, deliberately misbehaving drafter: every block continues the committed sequence but
+    carries ``proposal``, which the verifier must refuse."""
+
+    def __init__(self, proposal: DraftProposal, made: list["FakeBadDrafterLink"]) -> None:
+        self.proposal = proposal
+        self.blocks_sent = 0
+        self.closed = False
+        made.append(self)
+
+    async def open(self, spec: SessionSpec) -> None:
+        pass
+
+    def send(self, outcome: StepOutcome) -> None:
+        pass
+
+    async def next_block(self, committed: Sequence[int], timeout_s: float) -> DraftBlock | None:
+        self.blocks_sent += 1
+        return DraftBlock(len(committed), (), self.proposal)
+
+    @property
+    def up(self) -> bool:
+        return not self.closed
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("proposal", [
+    pytest.param(DraftProposal((VOCAB + 7, 1, 2)), id="ids-outside-vocab"),
+    pytest.param(DraftProposal((-1,)), id="negative-id"),
+    pytest.param(DraftProposal((5, 6), (dist([5, 6], [0.9, 0.9]), dist([6], [1.0]))), id="probs-do-not-sum-to-1"),
+])
+async def test_bad_blocks_do_not_fail_the_request(tiny_pair, verifier_engine, proposal):
+    """The drafter's fault, not the client's: the verifier drops it and decodes alone, output unchanged."""
+    target_path, _ = tiny_pair
+    loaded = verifier_engine.loaded
+    made: list[FakeBadDrafterLink] = []
+    engine = AsyncVerifierEngine(verifier_engine)  # its own thread, as in a verifier server
+    verifier = LocalVerifier(engine, lambda run: FakeBadDrafterLink(proposal, made),
+                             LoopConfig(reconnect_s=0.0))  # reconnect at once: every new link is refused again
+    info = TargetInfo(loaded.tokenizer, loaded.vocab_size, loaded.context_length, loaded.eos_token_id)
+    orch = Orchestrator(info, verifier, InMemorySessionStore(), OrchestratorConfig())
+    prompt, max_new = "def f():", 24
+    last, ids, _ = await collect(orch.generate(GenerationRequest(
+        prompt_text=prompt, max_new_tokens=max_new, drafter="model", policy=SpeculationPolicy(SpeculationMode.FIXED, 3))))
+    assert ids == reference_greedy(target_path, prompt, max_new)
+    assert last.counters.draft_tokens == 0, "a refused block was counted as drafted"
+    assert last.counters.verify_steps == len(ids)  # plain decoding: one token a step
+    assert sum(1 for link in made if link.blocks_sent) >= 2, "the verifier never tried the drafter again"
+    assert await sessions_drop_to_zero(engine.status) == 0
+    assert all(link.closed for link in made)
 
 
 async def test_no_session_leaked(cluster):

@@ -7,6 +7,7 @@ when it is cancelled.
 from __future__ import annotations
 
 import asyncio
+import queue
 import secrets
 
 import grpc
@@ -16,7 +17,7 @@ from specdec.core.errors import SessionNotFound
 from specdec.core.sampling import SamplingParams
 from specdec.core.session_table import SessionTable
 from specdec.core.sessions import SessionStatus
-from specdec.core.steps import DraftProposal, SequenceSync, SessionSpec
+from specdec.core.steps import DraftBlock, DraftProposal, SessionSpec, StepOutcome
 from specdec.draft.drafters import DraftConfig
 from specdec.draft.engine import DraftEngine
 from specdec.draft.ngram import NgramDrafter
@@ -29,7 +30,7 @@ LONG = 200
 def long_request(prompt: str = "def f():", drafter: str = "ngram", k: int = 2) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         text=prompt, max_new_tokens=LONG, drafter=drafter, sampling=common_pb2.SamplingParams(seed=7),
-        speculation=pb.SpeculationPolicy(mode=pb.SPECULATION_MODE_FIXED, num_speculative_tokens=k),
+        speculation=common_pb2.SpeculationPolicy(mode=common_pb2.SPECULATION_MODE_FIXED, num_speculative_tokens=k),
     )
 
 
@@ -168,20 +169,25 @@ def test_draft_worker_reaps_a_session_never_closed():
     engine = DraftEngine({"ngram": NgramDrafter(3, 1)}, DraftConfig(idle_timeout_s=30))
     clock = FakeClock()
     engine.sessions = SessionTable(8, 30, clock=clock)
+    blocks: queue.Queue[DraftBlock] = queue.Queue()
     kept, abandoned = secrets.token_hex(16), secrets.token_hex(16)
     prompt = (1, 2, 3, 1, 2)
-    for sid in (kept, abandoned):
-        engine.open(SessionSpec(sid, prompt, SamplingParams(seed=1), "ngram"))
-    assert engine.status().active_sessions == 2
-    clock.now += 25
-    assert engine.draft(kept, SequenceSync(len(prompt)), 2).token_ids == (3, 1)
-    clock.now += 10  # abandoned: idle 35 s > 30 s; kept: 10 s
-    assert engine.status().active_sessions == 1
-    with pytest.raises(SessionNotFound, match="expired"):
-        engine.draft(abandoned, SequenceSync(len(prompt)), 2)
-    assert not engine.close(abandoned)
-    assert engine.close(kept)
-    assert engine.status().active_sessions == 0
+    try:
+        for sid in (kept, abandoned):
+            engine.open(SessionSpec(sid, prompt, SamplingParams(seed=1), "ngram"), blocks.put).result(timeout=10)
+        assert engine.status().active_sessions == 2
+        clock.now += 25
+        engine.outcome(kept, StepOutcome(len(prompt), (), 2, overlap=False))  # an outcome is use: kept is refreshed
+        assert blocks.get(timeout=10).proposal.token_ids == (3, 1)
+        clock.now += 10  # abandoned: idle 35 s > 30 s; kept: 10 s
+        assert engine.status().active_sessions == 1
+        with pytest.raises(SessionNotFound, match="expired"):
+            engine.outcome(abandoned, StepOutcome(len(prompt), (), 2, overlap=False))
+        assert not engine.close(abandoned)
+        assert engine.close(kept)
+        assert engine.status().active_sessions == 0
+    finally:
+        engine.shutdown()
 
 
 def test_verify_worker_reaps_a_session_never_closed(tiny_pair):
@@ -193,8 +199,10 @@ def test_verify_worker_reaps_a_session_never_closed(tiny_pair):
     engine.open(SessionSpec(sid, (1, 2, 3), SamplingParams(seed=1)))
     assert engine.status().active_sessions == 1
     clock.now += 29
+    assert engine.verify(sid, DraftProposal(())).committed_len == 4  # a step is use: idle time starts again
+    clock.now += 29
     assert engine.status().active_sessions == 1
     clock.now += 2
     assert engine.status().active_sessions == 0
     with pytest.raises(SessionNotFound):
-        engine.verify(sid, SequenceSync(3), DraftProposal(()))
+        engine.verify(sid, DraftProposal(()))

@@ -49,17 +49,17 @@ def test_greedy_speculation_equals_target_only(pair, held_out_texts):
     from specdec.core.sessions import InMemorySessionStore
     from specdec.core.speculation import SpeculationMode, SpeculationPolicy
     from specdec.draft.drafters import DraftConfig
-    from specdec.draft.engine import AsyncDraftEngine, DraftEngine
+    from specdec import roles
+    from specdec.draft.engine import DraftEngine
     from specdec.draft.model_drafter import ModelDrafter
-    from specdec.orchestrator.loop import Orchestrator, TargetInfo, collect
+    from specdec.orchestrator.loop import collect
     from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
-    from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
+    from specdec.target.engine import TargetConfig, VerifierEngine
 
     target, draft = pair
     verifier = VerifierEngine(target, TargetConfig(target.path))
     drafter = DraftEngine({"model": ModelDrafter(draft, 32)}, DraftConfig(draft.path), draft.context_length)
-    info = TargetInfo(target.tokenizer, target.vocab_size, target.context_length, target.eos_token_id, ("model",))
-    orch = Orchestrator(info, AsyncDraftEngine(drafter, False), AsyncVerifierEngine(verifier, False), InMemorySessionStore(), OrchestratorConfig())
+    orch = roles.embedded_engines(verifier, drafter, OrchestratorConfig(), InMemorySessionStore())
     accepted = steps = 0
     for i, text in enumerate(held_out_texts[:3]):
         at = text.find("\ndef ", 200 * i) + 1

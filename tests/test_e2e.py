@@ -34,25 +34,38 @@ def reference_greedy(target_path: str, prompt: str, max_new: int) -> tuple[int, 
     return tuple(out[0, len(ids):].tolist())
 
 
-def request(prompt: str, k: int, drafter: str, max_new: int = MAX_NEW, **sampling) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        text=prompt, max_new_tokens=max_new, drafter=drafter, sampling=common_pb2.SamplingParams(**sampling),
-        speculation=pb.SpeculationPolicy(mode=pb.SPECULATION_MODE_FIXED, num_speculative_tokens=k),
-    )
+def request(prompt: str, k: int | None, drafter: str, max_new: int = MAX_NEW, overlap: bool = True, **sampling) -> pb.GenerateRequest:
+    """k None: the adaptive policy."""
+    if k is None:
+        policy = common_pb2.SpeculationPolicy(mode=common_pb2.SPECULATION_MODE_ADAPTIVE, overlap=overlap)
+    else:
+        policy = common_pb2.SpeculationPolicy(mode=common_pb2.SPECULATION_MODE_FIXED, num_speculative_tokens=k, overlap=overlap)
+    return pb.GenerateRequest(text=prompt, max_new_tokens=max_new, drafter=drafter, sampling=common_pb2.SamplingParams(**sampling),
+                              speculation=policy)
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
-@pytest.mark.parametrize("k", [1, 3, 5])
-async def test_greedy_equals_target_only_greedy(cluster, tiny_pair, drafter, k):
+@pytest.mark.parametrize("k, overlap", [(1, True), (3, True), (5, True), (None, True), (3, False)],
+                         ids=["k1", "k3", "k5", "adaptive", "k3-no-overlap"])
+async def test_greedy_equals_target_only_greedy(cluster, tiny_pair, drafter, k, overlap):
+    """Over the streaming path (Speculate between drafter and verifier, Generate to the orchestrator)."""
     target_path, _ = tiny_pair
-    drafted = 0
+    drafted = predrafted = 0
     for prompt in prompts(20):
-        reply = await cluster.stub.Generate(request(prompt, k, drafter))
+        reply = await cluster.stub.Generate(request(prompt, k, drafter, overlap=overlap))
         expected = reference_greedy(target_path, prompt, MAX_NEW)
         assert tuple(reply.token_ids) == expected, f"prompt {prompt!r}, drafter {drafter}, k={k}"
         assert reply.usage.completion_tokens == len(expected)
         drafted += reply.stats.draft_tokens
+        predrafted += reply.stats.predrafted_steps
+        # The session record keeps every step's speculation length, for an exact replay.
+        record = await cluster.store.get(reply.session_id)
+        assert len(record.step_ks) == reply.stats.verify_steps and sum(record.step_ks) == reply.stats.draft_tokens
     assert drafted > 0, "the drafter never proposed anything: this test would not test speculation"
+    if not overlap:
+        assert predrafted == 0, "overlap off, yet blocks were drafted ahead"
+    elif drafter == "model" and k is not None and k >= 3:  # the random pair rarely agrees; adaptive k stays small
+        assert predrafted > 0, "overlap on, yet no step used a block drafted ahead: this test would not test overlap"
 
 
 async def test_draft_identical_to_target_accepts_every_token(twin_cluster):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec.core import rng
-from specdec.core.rejection import rejection_sample
+from specdec.core.rejection import greedy_verify, rejection_sample
 from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from
 
 VOCAB = 8
@@ -71,6 +71,28 @@ def test_greedy_exact(draft_ids, target_argmax, expected_ids, expected_accepted,
     assert output_ids.tolist() == [expected_ids]
     assert num_accepted.tolist() == [expected_accepted]
     assert output_ids.dtype == torch.long and num_accepted.dtype == torch.long
+
+
+@pytest.mark.parametrize("draft_ids, target_argmax, expected_ids, expected_accepted", GREEDY_CASES)
+def test_greedy_verify_is_the_rule_at_temperature_0(draft_ids, target_argmax, expected_ids, expected_accepted):
+    tokens, accepted = greedy_verify(tuple(draft_ids), one_hot_logits(target_argmax))
+    assert accepted == expected_accepted
+    assert list(tokens) == expected_ids[: expected_accepted + 1]
+
+
+def test_greedy_verify_matches_rejection_sample_on_random_logits_with_ties():
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        k = int(torch.randint(0, 6, (1,), generator=gen))
+        logits = torch.randint(0, 3, (k + 1, VOCAB), generator=gen).float()  # many ties
+        drafts = torch.randint(0, VOCAB, (1, k), generator=gen)
+        # Make some drafts agree with the argmax, so that accepting is exercised too.
+        agree = torch.rand(k, generator=gen) < 0.6
+        drafts[0, agree] = logits[:k].argmax(-1)[agree]
+        output, num = rejection_sample(drafts, None, probs_from_logits(logits, SamplingParams())[None],
+                                       torch.rand(1, k, generator=gen, dtype=torch.float64), torch.rand(1, k + 1, generator=gen, dtype=torch.float64))
+        tokens, accepted = greedy_verify(tuple(drafts[0].tolist()), logits)
+        assert accepted == int(num[0]) and list(tokens) == output[0, : accepted + 1].tolist()
 
 
 def test_greedy_tie_in_target_logits_goes_to_lowest_id():

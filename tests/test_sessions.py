@@ -109,13 +109,25 @@ async def test_commit_appends_exactly_and_replaces_counters(make_store: MakeStor
     blocks = [[10, 11, 12], [], [INT32_MAX], [-1, 0], list(range(5000))]
     for i, block in enumerate(blocks):
         counters = SpecCounters(drafts=i + 1, draft_tokens=4 * (i + 1), accepted_tokens=i, verify_steps=i + 1)
-        await store.commit(record.session_id, block, counters)
+        await store.commit(record.session_id, block, counters, step_ks=(i, 64) if i % 2 else (i,))
     got = await store.get(record.session_id)
     assert got.output_ids == tuple(x for block in blocks for x in block)
+    assert got.step_ks == (0, 1, 64, 2, 3, 64, 4)  # the speculation length of every step, in order
     assert got.counters == counters  # the last totals, not a sum
     assert got.prompt_ids == record.prompt_ids
     assert got.status is SessionStatus.RUNNING and got.finish_reason == ""
     assert got.created_at == record.created_at <= got.updated_at
+
+
+@pytest.mark.parametrize("ks", [(65,), (-1,), (1.5,)])
+async def test_commit_refuses_a_speculation_length_outside_0_64(make_store: MakeStore, ks) -> None:
+    store = make_store()
+    record = make_record()
+    await store.create(record)
+    with pytest.raises(InvalidRequest, match="speculation lengths"):
+        await store.commit(record.session_id, [1], SpecCounters(), step_ks=ks)
+    got = await store.get(record.session_id)
+    assert got.output_ids == () and got.step_ks == ()  # a refused commit changes nothing
 
 
 async def test_concurrent_commits_lose_nothing(make_store: MakeStore) -> None:
@@ -236,7 +248,8 @@ async def test_in_memory_sweeps_sessions_nobody_reads() -> None:
 async def test_redis_key_layout(redis_store: RedisSessionStore, raw: aioredis.Redis, redis_prefix: str) -> None:
     record = make_record()
     await redis_store.create(record)
-    await redis_store.commit(record.session_id, [1, -1], SpecCounters())
+    await redis_store.commit(record.session_id, [1, -1], SpecCounters(), step_ks=(1,))
+    await redis_store.commit(record.session_id, [], SpecCounters(), step_ks=(0,))
     key = f"{redis_prefix}:sess:{{{record.session_id}}}"
     assert (redis_store.session_key(record.session_id), redis_store.output_key(record.session_id)) == (
         key, key + ":out")
@@ -245,7 +258,10 @@ async def test_redis_key_layout(redis_store: RedisSessionStore, raw: aioredis.Re
     assert await raw.hget(key, "v") == b"1"
     assert await raw.hget(key, "prompt") == pack_ids(record.prompt_ids)
     assert await raw.get(key + ":out") == b"\x01\x00\x00\x00\xff\xff\xff\xff"
-    assert sorted(await raw.keys(f"{redis_prefix}*")) == [key.encode(), (key + ":out").encode()]
+    assert await raw.get(key + ":k") == b"\x01\x00"  # one byte per step: its speculation length
+    assert key_slot(key.encode()) == key_slot((key + ":k").encode())
+    assert sorted(await raw.keys(f"{redis_prefix}*")) == [key.encode(), (key + ":k").encode(), (key + ":out").encode()]
+    assert (await redis_store.get(record.session_id)).step_ks == (1, 0)
 
 
 async def test_redis_failed_writes_create_no_keys(

@@ -83,3 +83,56 @@ def test_same_observations_same_choices():
 def test_policy_validation(kwargs, field):
     with pytest.raises(InvalidRequest, match=field):
         SpeculationPolicy(**kwargs)
+
+
+# ----------------------------------------------------------------------------- k from measured step times
+from specdec.core.speculation import StepTiming  # noqa: E402
+
+
+def run_steps(c: SpeculationController, steps: int, alpha_hits: int, verify_s, wait_s, draft_per_token_s: float,
+              predrafted: bool = False) -> None:
+    """Feed the controller steps that accept ``alpha_hits`` of the drafts, with the given costs."""
+    for _ in range(steps):
+        k = c.next_k()
+        v = verify_s(k)
+        w = wait_s(k) if k else 0.0
+        c.observe(k, min(k, alpha_hits), StepTiming(verify_s=v, wait_s=w, step_s=v + w + 0.0005,
+                                                    draft_s=k * draft_per_token_s, predrafted=predrafted and k > 0))
+
+
+def adaptive(max_k: int = 8) -> SpeculationController:
+    return SpeculationController(SpeculationPolicy(SpeculationMode.ADAPTIVE, 4, max_k))
+
+
+def test_costly_drafts_measured_turn_speculation_off():
+    # A draft token costs as much as a verification and waiting for it is on the critical path.
+    c = adaptive()
+    run_steps(c, 30, alpha_hits=1, verify_s=lambda k: 0.005, wait_s=lambda k: k * 0.005, draft_per_token_s=0.005)
+    assert c.next_k() == 0
+
+
+def test_cheap_drafts_measured_keep_speculating():
+    c = adaptive()
+    run_steps(c, 30, alpha_hits=3, verify_s=lambda k: 0.006 * (1 + 0.04 * k), wait_s=lambda k: k * 0.0005 + 0.0005,
+              draft_per_token_s=0.0005)
+    assert c.next_k() >= 3
+
+
+def test_overlap_hits_make_longer_blocks_pay():
+    # Same drafts and acceptance; when blocks were drafted during the previous verification (no
+    # wait), each draft token costs nothing on the critical path and the controller speculates further.
+    slow_draft = 0.002
+    waiting, overlapped = adaptive(), adaptive()
+    run_steps(waiting, 30, alpha_hits=2, verify_s=lambda k: 0.006, wait_s=lambda k: k * slow_draft, draft_per_token_s=slow_draft)
+    run_steps(overlapped, 30, alpha_hits=2, verify_s=lambda k: 0.006, wait_s=lambda k: 0.0, draft_per_token_s=slow_draft,
+              predrafted=True)
+    assert overlapped.next_k() > waiting.next_k()
+
+
+def test_measured_cost_model_follows_its_inputs():
+    c = adaptive()
+    run_steps(c, 40, alpha_hits=2, verify_s=lambda k: 0.006 * (1 + 0.04 * k), wait_s=lambda k: k * 0.001 + 0.0005,
+              draft_per_token_s=0.001)
+    costs = c.costs
+    assert costs.seconds(0) == pytest.approx(0.006 + 0.0005, rel=0.05)
+    assert costs.seconds(4) == pytest.approx(0.006 * 1.16 + 0.0005 + 4 * 0.001 + 0.0005, rel=0.05)

@@ -13,8 +13,14 @@ from specdec.core.steps import DraftProposal
 class DraftSession(Protocol):
     """One session's drafting state (e.g. a KV cache)."""
 
-    def propose(self, committed: Sequence[int], num_speculative_tokens: int) -> DraftProposal:
-        """Propose up to ``num_speculative_tokens`` tokens to follow ``committed`` (prompt included)."""
+    def propose(self, committed: Sequence[int], num_speculative_tokens: int, num_alternatives: int = 0,
+                interrupt: Callable[[], bool] | None = None) -> DraftProposal:
+        """Propose up to ``num_speculative_tokens`` tokens to follow ``committed`` (prompt included).
+
+        ``num_alternatives``: per position, up to that many next likeliest tokens besides the draft
+        (``DraftProposal.alternatives``), where the drafter has any. ``interrupt`` is polled between
+        tokens; when it returns True the drafter may stop early (a shorter block is still valid).
+        """
         ...
 
 

@@ -1,35 +1,47 @@
-"""The draft worker's core: open sessions, sync committed tokens, propose. No gRPC here."""
+"""The draft worker's core: sessions, and the one thread that runs all of their model work. No gRPC here.
+
+A session is driven by outcomes (``outcome``) and answers with blocks through the ``emit`` callback
+it was opened with (called on the draft thread). The thread serves, in this order: session opens
+(prefill), blocks some verifier is waiting for (just in time), then pre-drafts, one session after
+another, so no session starves and a waiting verifier never queues behind speculative work. One
+thread serialises model calls, which is what one set of small weights on a couple of cores wants.
+"""
 from __future__ import annotations
 
+import atexit
+import collections
+import logging
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import Future
 
-from specdec.core.errors import InvalidRequest
 from specdec.core.session_table import SessionTable
 from specdec.core.sessions import check_session_id
-from specdec.core.steps import DraftProposal, SequenceSync, SessionSpec, WorkerInfo, apply_sync, validate_prompt
-from specdec.draft.drafters import DraftConfig, Drafter, DraftSession, build_drafters, pick
+from specdec.core.steps import DraftBlock, SessionSpec, StepOutcome, WorkerInfo, validate_prompt
+from specdec.draft.drafters import DraftConfig, Drafter, build_drafters, pick
+from specdec.draft.speculator import NUM_ALTERNATIVES, SessionSpeculator, Work
 
-MAX_SPECULATIVE_TOKENS = 64
-
-
-@dataclass
-class _Session:
-    drafter: DraftSession
-    committed: list[int]
-    vocab_size: int  # token ids synced in must be below this
+log = logging.getLogger(__name__)
+Emit = Callable[[DraftBlock], None]
 
 
 class DraftEngine:
-    """Synchronous; the server runs it on one worker thread, the embedded path calls it directly."""
-
     def __init__(self, drafters: dict[str, Drafter], config: DraftConfig, context_length: int = 1 << 20) -> None:
         if not drafters:
             raise ValueError("a draft worker needs at least one drafter")
         self.drafters = drafters
         self.config = config
         self.context_length = context_length
-        self.sessions: SessionTable[_Session] = SessionTable(config.max_sessions, config.idle_timeout_s)
+        self.sessions: SessionTable[SessionSpeculator] = SessionTable(config.max_sessions, config.idle_timeout_s)
+        self._lock = threading.Condition()
+        self._opens: collections.deque[tuple[SessionSpec, Emit, Future]] = collections.deque()
+        self._opening: set[str] = set()  # queued or prefilling; closing one of these abandons it
+        self._turn = 0  # round-robin position over sessions for pre-drafts
+        self._stopped = False
+        self._thread = threading.Thread(target=self._serve, name="draft", daemon=True)
+        self._thread.start()
+        atexit.register(self.shutdown)  # a model thread still alive at interpreter exit can abort it
 
     @classmethod
     def from_config(cls, config: DraftConfig) -> "DraftEngine":
@@ -38,51 +50,119 @@ class DraftEngine:
         context = min((m.context_length for m in models), default=1 << 20)
         return cls(drafters, config, context)
 
-    def open(self, spec: SessionSpec) -> int:
-        t0 = time.perf_counter_ns()
-        check_session_id(spec.session_id)  # before the prefill, not after it
-        drafter = pick(self.drafters, spec.drafter)
-        vocab = drafter.vocab_size or (1 << 31) - 1  # model-free drafters: any non-negative int32
-        validate_prompt(spec.prompt_ids, vocab, self.context_length)
-        self.sessions.add(spec.session_id, _Session(drafter.open(spec.prompt_ids, spec.sampling), list(spec.prompt_ids), vocab))
-        return time.perf_counter_ns() - t0
+    # ------------------------------------------------------------------ called from any thread
+    def open(self, spec: SessionSpec, emit: Emit) -> Future:
+        """Queue the session's prefill on the draft thread; the future gives the prefill time in ns.
 
-    def draft(self, session_id: str, sync: SequenceSync, num_speculative_tokens: int) -> DraftProposal:
-        if not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise InvalidRequest(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {num_speculative_tokens}")
-        session = self.sessions.get(session_id)
-        apply_sync(session.committed, sync, session.vocab_size)
-        # Never draft past the model's context: the verifier would refuse the step.
-        room = max(0, self.context_length - len(session.committed) - 1)
-        return session.drafter.propose(session.committed, min(num_speculative_tokens, room))
+        Checks that need no model run here, so bad input fails before anything is queued.
+        """
+        check_session_id(spec.session_id)
+        drafter = pick(self.drafters, spec.drafter)
+        validate_prompt(spec.prompt_ids, drafter.vocab_size or (1 << 31) - 1, self.context_length)
+        done: Future = Future()
+        with self._lock:
+            self._opening.add(spec.session_id)
+            self._opens.append((spec, emit, done))
+            self._lock.notify()
+        return done
+
+    def outcome(self, session_id: str, outcome: StepOutcome) -> None:
+        """Apply a verification step's outcome; raises (changing nothing) if it does not fit."""
+        with self._lock:
+            self.sessions.get(session_id).on_outcome(outcome)
+            self._lock.notify()
 
     def close(self, session_id: str) -> bool:
-        return self.sessions.pop(session_id) is not None
+        """Free the session; one still opening is dropped once its prefill ends. Idempotent."""
+        with self._lock:
+            abandoned = session_id in self._opening
+            self._opening.discard(session_id)
+            return self.sessions.pop(session_id) is not None or abandoned
 
     def status(self) -> WorkerInfo:
-        self.sessions.reap_idle()
+        with self._lock:
+            self.sessions.reap_idle()
+            active = len(self.sessions)
         paths = [d.loaded.path for d in self.drafters.values() if hasattr(d, "loaded")]
         vocab = max((d.vocab_size for d in self.drafters.values()), default=0)
-        return WorkerInfo(len(self.sessions), ",".join(paths) or "model-free", vocab, self.context_length, tuple(sorted(self.drafters)))
+        return WorkerInfo(active, ",".join(paths) or "model-free", vocab, self.context_length, tuple(sorted(self.drafters)))
 
+    def shutdown(self) -> None:
+        """Stop the draft thread (after the job it is running). Idempotent."""
+        with self._lock:
+            self._stopped = True
+            self._lock.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)
 
-class AsyncDraftEngine:
-    """The DraftWorker protocol over a DraftEngine (in-process use, and the servicer's backend)."""
+    # ------------------------------------------------------------------ the draft thread
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                job = self._next_job()
+                while job is None and not self._stopped:
+                    self._lock.wait(timeout=1.0)
+                    job = self._next_job()
+                if self._stopped:
+                    return
+            try:
+                job()
+            except Exception:  # a bug in one session's drafting must not stop every session's
+                log.exception("draft job failed")
 
-    def __init__(self, engine: DraftEngine, threaded: bool = True) -> None:
-        from specdec.core.offload import Offload
+    def _next_job(self) -> Callable[[], None] | None:
+        """Under the lock: the most urgent piece of work, as a callable to run outside it."""
+        if self._opens:
+            spec, emit, done = self._opens.popleft()
+            return lambda: self._open_now(spec, emit, done)
+        ids = self.sessions.ids()
+        if not ids:
+            return None
+        # Just-in-time blocks first (a verifier is waiting), then pre-drafts round-robin.
+        urgent = None
+        for sid in ids:
+            spec = self.sessions.peek(sid)
+            if spec is not None and spec.wants_just_in_time():
+                urgent = sid
+                break
+        order = [urgent] if urgent else ids[self._turn % len(ids):] + ids[: self._turn % len(ids)]
+        self._turn += 1
+        for sid in order:
+            speculator = self.sessions.peek(sid)
+            work = speculator.next_work(batched=hasattr(speculator.session, "propose_branches")) if speculator is not None else None
+            if work is not None:
+                return lambda: self._draft_now(sid, speculator, work)
+        return None
 
-        self.engine = engine
-        self._run = Offload("draft", threaded)
+    def _open_now(self, spec: SessionSpec, emit: Emit, done: Future) -> None:
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            t0 = time.perf_counter_ns()
+            drafter = pick(self.drafters, spec.drafter)
+            session = drafter.open(spec.prompt_ids, spec.sampling)  # the prefill
+            vocab = drafter.vocab_size or (1 << 31) - 1  # model-free drafters: any non-negative int32
+            speculator = SessionSpeculator(session, spec.prompt_ids, vocab, self.context_length, emit)
+            with self._lock:
+                if spec.session_id not in self._opening:
+                    done.cancel()  # closed while it was opening
+                    return
+                self._opening.discard(spec.session_id)
+                self.sessions.add(spec.session_id, speculator)
+            done.set_result(time.perf_counter_ns() - t0)
+        except BaseException as exc:
+            with self._lock:
+                self._opening.discard(spec.session_id)
+            done.set_exception(exc)
 
-    async def open(self, spec: SessionSpec) -> int:
-        return await self._run(self.engine.open, spec)
-
-    async def draft(self, session_id: str, sync: SequenceSync, num_speculative_tokens: int) -> DraftProposal:
-        return await self._run(self.engine.draft, session_id, sync, num_speculative_tokens)
-
-    async def close(self, session_id: str) -> bool:
-        return await self._run(self.engine.close, session_id)
-
-    async def status(self) -> WorkerInfo:
-        return await self._run(self.engine.status)
+    def _draft_now(self, session_id: str, speculator: SessionSpeculator, work: Work) -> None:
+        session = speculator.session
+        interrupt = lambda: speculator.is_stale(work)  # noqa: E731
+        proposals = None
+        if len(work.sequences) > 1:
+            proposals = session.propose_branches(work.sequences, work.num_tokens, NUM_ALTERNATIVES, interrupt)
+        if proposals is None:
+            proposals = [session.propose(seq, work.num_tokens, NUM_ALTERNATIVES, interrupt) for seq in work.sequences]
+        with self._lock:
+            if self.sessions.peek(session_id) is speculator:  # not closed while it drafted
+                speculator.finish(work, proposals)

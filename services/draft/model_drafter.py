@@ -9,11 +9,12 @@ verifier's rejection rule stays lossless while a step ships K numbers per token,
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from specdec.core import rng
+from specdec.core.branch_decode import BranchBatch
 from specdec.core.kv import KVSequence
 from specdec.core.llama_decode import LlamaDecoder, supports
 from specdec.core.models import LoadedModel, check_same_tokenizer, load_causal_lm
@@ -39,24 +40,82 @@ class ModelDraftSession:
     def prefill(self, prompt_ids: Sequence[int]) -> None:
         self._kv.logits_for(prompt_ids, 1)
 
-    def propose(self, committed: Sequence[int], num_speculative_tokens: int) -> DraftProposal:
+    def propose(self, committed: Sequence[int], num_speculative_tokens: int, num_alternatives: int = 0,
+                interrupt: Callable[[], bool] | None = None) -> DraftProposal:
+        """Draft up to ``num_speculative_tokens`` tokens after ``committed``; with ``num_alternatives``,
+        also each position's next likeliest tokens (guesses of a recovered token, for pre-drafting).
+        ``interrupt`` is polled between tokens: a shorter block is still a valid block."""
         t0 = time.perf_counter_ns()
         seq = list(committed)
         tokens: list[int] = []
         dists: list[SparseDistribution] = []
+        alternatives: list[tuple[int, ...]] = []
         for _ in range(num_speculative_tokens):
+            if tokens and interrupt is not None and interrupt():
+                break
             logits = self._kv.logits_for(seq, 1)[0]  # [vocab]
-            if self._sampling.greedy:
-                token = int(logits.argmax())
-            else:
-                ids, probs = truncate_top_k(probs_from_logits(logits, self._sampling), self._top_k)
-                u = rng.uniform(self._sampling.seed, rng.Stream.DRAFT_SAMPLE, len(seq))
-                token = int(ids[sample_from(probs, torch.tensor(u))])
-                dists.append(SparseDistribution(tuple(ids.tolist()), tuple(probs.tolist())))
+            token, dist, alt = self._pick(logits, len(seq), num_alternatives)
+            if dist is not None:
+                dists.append(dist)
+            if num_alternatives:
+                alternatives.append(alt)
             tokens.append(token)
             seq.append(token)
         distributions = None if self._sampling.greedy else tuple(dists)
-        return DraftProposal(tuple(tokens), distributions, time.perf_counter_ns() - t0)
+        return DraftProposal(tuple(tokens), distributions, time.perf_counter_ns() - t0, tuple(alternatives))
+
+    def _pick(self, logits: torch.Tensor, position: int, num_alternatives: int) -> tuple[int, SparseDistribution | None, tuple[int, ...]]:
+        """One draft token from one row of logits [vocab]: the token, its distribution (None: greedy), alternatives."""
+        if self._sampling.greedy:
+            token, dist, ranked = int(logits.argmax()), None, logits
+        else:
+            ranked = probs_from_logits(logits, self._sampling)  # [vocab]
+            ids, probs_k = truncate_top_k(ranked, self._top_k)
+            u = rng.uniform(self._sampling.seed, rng.Stream.DRAFT_SAMPLE, position)
+            token = int(ids[sample_from(probs_k, torch.tensor(u))])
+            dist = SparseDistribution(tuple(ids.tolist()), tuple(probs_k.tolist()))
+        alternatives: tuple[int, ...] = ()
+        if num_alternatives:
+            top = torch.topk(ranked, min(num_alternatives + 1, ranked.shape[-1])).indices.tolist()
+            alternatives = tuple(t for t in top if t != token)[:num_alternatives]
+        return token, dist, alternatives
+
+    def propose_branches(self, sequences: Sequence[Sequence[int]], num_tokens: int, num_alternatives: int = 0,
+                         interrupt: Callable[[], bool] | None = None) -> list[DraftProposal] | None:
+        """Draft ``num_tokens`` after each of several sequences at once: one batched forward per token.
+
+        Each sequence but its last token must already be cached (the pre-drafts of a block in flight
+        all continue prefixes of what was just drafted). Returns None where that does not hold or
+        the lean forward is not in use: the caller then drafts them one by one.
+        """
+        cache = self._kv.decode_cache
+        if cache is None or not sequences or num_tokens < 1:
+            return None
+        longest = list(max((seq[:-1] for seq in sequences), key=len))
+        if list(self._kv.cached_ids[: len(longest)]) != longest and longest:
+            self._kv.logits_for(longest, 1)  # e.g. a pre-drafted block in flight: cache it once for all its branches
+        cached = self._kv.cached_ids
+        base_lens = [len(seq) - 1 for seq in sequences]
+        if any(n < 0 or n > len(cached) or list(seq[:n]) != cached[:n] for seq, n in zip(sequences, base_lens)):
+            return None
+        t0 = time.perf_counter_ns()
+        batch = BranchBatch(self._kv.decoder, cache, base_lens, num_tokens, cached_len=len(cached))
+        feed = [seq[-1] for seq in sequences]
+        rows: list[tuple[list[int], list[SparseDistribution], list[tuple[int, ...]]]] = [([], [], []) for _ in sequences]
+        for step in range(num_tokens):
+            if step and interrupt is not None and interrupt():
+                break
+            logits = batch.step(feed)  # [branches, vocab]
+            for b, (tokens, dists, alts) in enumerate(rows):
+                token, dist, alt = self._pick(logits[b], len(sequences[b]) + step, num_alternatives)
+                tokens.append(token)
+                if dist is not None:
+                    dists.append(dist)
+                alts.append(alt)
+                feed[b] = token
+        elapsed = time.perf_counter_ns() - t0
+        return [DraftProposal(tuple(tokens), None if self._sampling.greedy else tuple(dists), elapsed, tuple(alts))
+                for tokens, dists, alts in rows]
 
 
 DRAFT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -6,7 +6,7 @@ deterministic given the context, hence point masses: no distribution is sent.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from specdec.core.sampling import SamplingParams
 from specdec.core.steps import DraftProposal
@@ -35,7 +35,9 @@ class NgramSession:
     def __init__(self, ngram_max: int, ngram_min: int) -> None:
         self._max, self._min = ngram_max, ngram_min
 
-    def propose(self, committed: Sequence[int], num_speculative_tokens: int) -> DraftProposal:
+    def propose(self, committed: Sequence[int], num_speculative_tokens: int, num_alternatives: int = 0,
+                interrupt: Callable[[], bool] | None = None) -> DraftProposal:
+        """No alternatives: a lookup has no second choice worth pre-drafting for."""
         t0 = time.perf_counter_ns()
         ids = lookup(committed, num_speculative_tokens, self._max, self._min)
         return DraftProposal(ids, None, time.perf_counter_ns() - t0)

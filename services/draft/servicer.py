@@ -1,37 +1,72 @@
-"""The gRPC Drafter: decode -> call the engine -> encode. Nothing else lives here."""
+"""The gRPC Drafter: a Speculate stream per session, decoded into DraftEngine calls. Nothing else lives here."""
 from __future__ import annotations
+
+import asyncio
+import logging
 
 import grpc
 
-from specdec.draft.engine import AsyncDraftEngine
+from specdec.core.errors import InvalidRequest, SpecdecError
+from specdec.draft.engine import DraftEngine
 from specdec.rpc import wire
-from specdec.rpc.status import rpc_errors
+from specdec.rpc.status import rpc_errors, status_for
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+log = logging.getLogger(__name__)
+_END = object()
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, engine: AsyncDraftEngine) -> None:
+    def __init__(self, engine: DraftEngine) -> None:
         self.engine = engine
 
-    @rpc_errors
-    async def OpenSession(self, request: common_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext) -> common_pb2.OpenSessionResponse:
-        return common_pb2.OpenSessionResponse(prefill_time_ns=await self.engine.open(wire.spec_from_pb(request)))
+    async def Speculate(self, request_iterator, context: grpc.aio.ServicerContext):
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        if first.WhichOneof("kind") != "open":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first Speculate message must be `open` (the session to draft for)")
+        try:
+            spec = wire.spec_from_pb(first.open)
+        except SpecdecError as exc:  # e.g. bad sampling parameters
+            await context.abort(status_for(exc), str(exc))
+        out: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        reader = None
+        try:
+            try:
+                opened = self.engine.open(spec, lambda block: loop.call_soon_threadsafe(out.put_nowait, block))
+                await asyncio.wrap_future(opened)
+            except SpecdecError as exc:
+                await context.abort(status_for(exc), str(exc))
+            reader = asyncio.ensure_future(self._read(request_iterator, spec.session_id, out))
+            while True:
+                item = await out.get()
+                if item is _END:
+                    return
+                if isinstance(item, SpecdecError):
+                    await context.abort(status_for(item), str(item))
+                yield wire.block_to_pb(item)
+        finally:
+            self.engine.close(spec.session_id)
+            if reader is not None:
+                reader.cancel()
 
-    @rpc_errors
-    async def Draft(self, request: drafter_pb2.DraftRequest, context: grpc.aio.ServicerContext) -> drafter_pb2.DraftResponse:
-        proposal = await self.engine.draft(request.session_id, wire.sync_from_pb(request.sync), request.num_speculative_tokens)
-        return wire.proposal_to_pb(proposal)
-
-    @rpc_errors
-    async def CloseSession(self, request: common_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext) -> common_pb2.CloseSessionResponse:
-        return common_pb2.CloseSessionResponse(existed=await self.engine.close(request.session_id))
+    async def _read(self, request_iterator, session_id: str, out: asyncio.Queue) -> None:
+        try:
+            async for msg in request_iterator:
+                if msg.WhichOneof("kind") != "outcome":
+                    raise InvalidRequest("after `open`, every Speculate message must be an `outcome`")
+                self.engine.outcome(session_id, wire.outcome_from_pb(msg.outcome))
+            out.put_nowait(_END)  # the verifier closed its side: the session is over
+        except SpecdecError as exc:
+            out.put_nowait(exc)
 
     @rpc_errors
     async def GetWorkerStatus(self, request: common_pb2.WorkerStatusRequest, context: grpc.aio.ServicerContext) -> common_pb2.WorkerStatus:
-        return wire.worker_info_to_pb(await self.engine.status())
+        return wire.worker_info_to_pb(self.engine.status())
 
 
-def register(engine: AsyncDraftEngine):
+def register(engine: DraftEngine):
     return lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(engine), server)

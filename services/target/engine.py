@@ -10,22 +10,11 @@ from specdec.core import rng
 from specdec.core.kv import KVSequence
 from specdec.core.llama_decode import PACK_ROWS, LlamaDecoder, supports
 from specdec.core.models import LoadedModel, load_causal_lm
-from specdec.core.rejection import rejection_sample
+from specdec.core.rejection import greedy_verify, rejection_sample
 from specdec.core.sampling import SamplingParams, probs_from_logits
 from specdec.core.session_table import SessionTable
 from specdec.core.sessions import check_session_id
-from specdec.core.steps import (
-    DraftProposal,
-    SequenceSync,
-    SessionSpec,
-    VerifyOutcome,
-    WorkerInfo,
-    apply_sync,
-    check_room,
-    check_sync,
-    dense_draft_probs,
-    validate_prompt,
-)
+from specdec.core.steps import DraftProposal, SessionSpec, VerifyOutcome, WorkerInfo, check_room, dense_draft_probs, validate_prompt
 
 
 @dataclass(frozen=True)
@@ -72,16 +61,27 @@ class VerifierEngine:
         self.sessions.add(spec.session_id, session)
         return time.perf_counter_ns() - t0
 
-    def verify(self, session_id: str, sync: SequenceSync, proposal: DraftProposal) -> VerifyOutcome:
+    def verify(self, session_id: str, proposal: DraftProposal) -> VerifyOutcome:
+        """Check ``proposal`` against the session's committed tokens; commit what the rejection rule keeps."""
         t0 = time.perf_counter_ns()
         s = self.sessions.get(session_id)
         # Validate everything before touching the session: a refused step leaves it as it was.
-        n = check_sync(len(s.committed), sync, self.loaded.vocab_size)
+        n = len(s.committed)
         k = len(proposal.token_ids)
         check_room(n, k, self.loaded.context_length)
         draft_probs = dense_draft_probs(proposal, self.loaded.vocab_size)  # [k, vocab] or None
-        apply_sync(s.committed, sync, self.loaded.vocab_size)
         logits = s.kv.logits_for(s.committed + list(proposal.token_ids), k + 1)  # [k+1, vocab]
+        if s.sampling.greedy:
+            tokens, accepted = greedy_verify(proposal.token_ids, logits)
+        else:
+            tokens, accepted = self._sample(s, n, proposal, draft_probs, logits)
+        s.committed.extend(tokens)
+        return VerifyOutcome(tokens, accepted, len(s.committed), time.perf_counter_ns() - t0)
+
+    @staticmethod
+    def _sample(s: _Session, n: int, proposal: DraftProposal, draft_probs: torch.Tensor | None,
+                logits: torch.Tensor) -> tuple[tuple[int, ...], int]:
+        k = len(proposal.token_ids)
         target_probs = probs_from_logits(logits, s.sampling)  # [k+1, vocab]
         seed = s.sampling.seed
         output, num_accepted = rejection_sample(
@@ -92,9 +92,7 @@ class VerifierEngine:
             sample_uniforms=rng.uniforms(seed, rng.Stream.TARGET_SAMPLE, range(n, n + k + 1))[None],  # [1, k+1]
         )
         accepted = int(num_accepted[0])
-        tokens = tuple(int(t) for t in output[0, : accepted + 1])
-        s.committed.extend(tokens)
-        return VerifyOutcome(tokens, accepted, len(s.committed), time.perf_counter_ns() - t0)
+        return tuple(int(t) for t in output[0, : accepted + 1]), accepted
 
     def close(self, session_id: str) -> bool:
         return self.sessions.pop(session_id) is not None
@@ -105,7 +103,7 @@ class VerifierEngine:
 
 
 class AsyncVerifierEngine:
-    """The VerifyWorker protocol over a VerifierEngine (in-process use, and the servicer's backend)."""
+    """A VerifierEngine on its own thread (or inline), awaitable from the event loop."""
 
     def __init__(self, engine: VerifierEngine, threaded: bool = True) -> None:
         from specdec.core.offload import Offload
@@ -116,8 +114,8 @@ class AsyncVerifierEngine:
     async def open(self, spec: SessionSpec) -> int:
         return await self._run(self.engine.open, spec)
 
-    async def verify(self, session_id: str, sync: SequenceSync, proposal: DraftProposal) -> VerifyOutcome:
-        return await self._run(self.engine.verify, session_id, sync, proposal)
+    async def verify(self, session_id: str, proposal: DraftProposal) -> VerifyOutcome:
+        return await self._run(self.engine.verify, session_id, proposal)
 
     async def close(self, session_id: str) -> bool:
         return await self._run(self.engine.close, session_id)

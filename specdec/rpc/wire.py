@@ -1,9 +1,23 @@
 """Protobuf <-> core dataclasses, at the edge only (TGI's from_pb / to_pb). Core code never sees *_pb2."""
 from __future__ import annotations
 
+from specdec.core.errors import InvalidRequest
 from specdec.core.sampling import SamplingParams
-from specdec.core.steps import DraftProposal, SequenceSync, SessionSpec, SparseDistribution, VerifyOutcome, WorkerInfo
+from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+from specdec.core.steps import (
+    DraftBlock,
+    DraftProposal,
+    SessionRun,
+    SessionSpec,
+    SparseDistribution,
+    StepCommit,
+    StepOutcome,
+    WorkerInfo,
+)
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+_MODE = {common_pb2.SPECULATION_MODE_FIXED: SpeculationMode.FIXED, common_pb2.SPECULATION_MODE_ADAPTIVE: SpeculationMode.ADAPTIVE}
+_MODE_PB = {v: k for k, v in _MODE.items()}
 
 
 def sampling_from_pb(pb: common_pb2.SamplingParams, default_seed: int = 0) -> SamplingParams:
@@ -19,6 +33,22 @@ def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
 
 
+def policy_from_pb(msg: common_pb2.SpeculationPolicy, default: SpeculationPolicy) -> SpeculationPolicy:
+    """Unset fields take ``default``'s values; validation is SpeculationPolicy's own."""
+    if msg.mode != common_pb2.SPECULATION_MODE_UNSPECIFIED and msg.mode not in _MODE:  # proto3 enums are open
+        raise InvalidRequest(f"speculation.mode {msg.mode} is unknown: use SPECULATION_MODE_FIXED or SPECULATION_MODE_ADAPTIVE")
+    mode = _MODE.get(msg.mode, default.mode)
+    k = msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else default.num_speculative_tokens
+    k_max = msg.max_speculative_tokens or max(default.max_speculative_tokens, k)
+    overlap = msg.overlap if msg.HasField("overlap") else default.overlap
+    return SpeculationPolicy(mode, k, k_max, default.draft_cost_ratio, overlap)
+
+
+def policy_to_pb(p: SpeculationPolicy) -> common_pb2.SpeculationPolicy:
+    return common_pb2.SpeculationPolicy(mode=_MODE_PB[p.mode], num_speculative_tokens=p.num_speculative_tokens,
+                                        max_speculative_tokens=p.max_speculative_tokens, overlap=p.overlap)
+
+
 def spec_from_pb(pb: common_pb2.OpenSessionRequest) -> SessionSpec:
     return SessionSpec(pb.session_id, tuple(pb.prompt_token_ids), sampling_from_pb(pb.sampling), pb.drafter)
 
@@ -26,14 +56,6 @@ def spec_from_pb(pb: common_pb2.OpenSessionRequest) -> SessionSpec:
 def spec_to_pb(spec: SessionSpec) -> common_pb2.OpenSessionRequest:
     return common_pb2.OpenSessionRequest(session_id=spec.session_id, prompt_token_ids=spec.prompt_ids,
                                          sampling=sampling_to_pb(spec.sampling), drafter=spec.drafter)
-
-
-def sync_from_pb(pb: common_pb2.SequenceSync) -> SequenceSync:
-    return SequenceSync(pb.base_len, tuple(pb.append_ids))
-
-
-def sync_to_pb(sync: SequenceSync) -> common_pb2.SequenceSync:
-    return common_pb2.SequenceSync(base_len=sync.base_len, append_ids=sync.append_ids)
 
 
 def _dists_to_pb(dists: tuple[SparseDistribution, ...] | None) -> list[common_pb2.DraftDistribution]:
@@ -46,32 +68,49 @@ def _dists_from_pb(pbs) -> tuple[SparseDistribution, ...] | None:
     return tuple(SparseDistribution(tuple(d.token_ids), tuple(d.probs)) for d in pbs)
 
 
-def proposal_to_pb(p: DraftProposal) -> drafter_pb2.DraftResponse:
-    return drafter_pb2.DraftResponse(draft_token_ids=p.token_ids, draft_distributions=_dists_to_pb(p.distributions),
-                                     draft_time_ns=p.draft_time_ns)
+def block_to_pb(b: DraftBlock) -> drafter_pb2.DraftBlock:
+    p = b.proposal
+    return drafter_pb2.DraftBlock(anchor_len=b.anchor_len, assumed_ids=b.assumed_ids, draft_token_ids=p.token_ids,
+                                  draft_distributions=_dists_to_pb(p.distributions), draft_time_ns=p.draft_time_ns)
 
 
-def proposal_from_pb(pb: drafter_pb2.DraftResponse) -> DraftProposal:
-    return DraftProposal(tuple(pb.draft_token_ids), _dists_from_pb(pb.draft_distributions), pb.draft_time_ns)
+def block_from_pb(pb: drafter_pb2.DraftBlock) -> DraftBlock:
+    proposal = DraftProposal(tuple(pb.draft_token_ids), _dists_from_pb(pb.draft_distributions), pb.draft_time_ns)
+    return DraftBlock(pb.anchor_len, tuple(pb.assumed_ids), proposal)
 
 
-def verify_request_to_pb(session_id: str, sync: SequenceSync, p: DraftProposal) -> verifier_pb2.VerifyRequest:
-    return verifier_pb2.VerifyRequest(session_id=session_id, sync=sync_to_pb(sync), draft_token_ids=p.token_ids,
-                                      draft_distributions=_dists_to_pb(p.distributions))
+def outcome_to_pb(o: StepOutcome) -> drafter_pb2.SpeculateRequest:
+    return drafter_pb2.SpeculateRequest(outcome=drafter_pb2.StepOutcome(
+        committed_len=o.committed_len, token_ids=o.token_ids, num_speculative_tokens=o.num_speculative_tokens, overlap=o.overlap))
 
 
-def verify_request_from_pb(pb: verifier_pb2.VerifyRequest) -> tuple[str, SequenceSync, DraftProposal]:
-    proposal = DraftProposal(tuple(pb.draft_token_ids), _dists_from_pb(pb.draft_distributions))
-    return pb.session_id, sync_from_pb(pb.sync), proposal
+def outcome_from_pb(pb: drafter_pb2.StepOutcome) -> StepOutcome:
+    return StepOutcome(pb.committed_len, tuple(pb.token_ids), pb.num_speculative_tokens, pb.overlap)
 
 
-def outcome_to_pb(o: VerifyOutcome) -> verifier_pb2.VerifyResponse:
-    return verifier_pb2.VerifyResponse(token_ids=o.token_ids, num_accepted=o.num_accepted, committed_len=o.committed_len,
-                                       verify_time_ns=o.verify_time_ns)
+def run_to_pb(r: SessionRun) -> verifier_pb2.SessionRequest:
+    return verifier_pb2.SessionRequest(session=spec_to_pb(r.spec), drafter_address=r.drafter_address, max_new_tokens=r.max_new_tokens,
+                                       speculation=policy_to_pb(r.policy), stop_token_ids=r.stop_token_ids)
 
 
-def outcome_from_pb(pb: verifier_pb2.VerifyResponse) -> VerifyOutcome:
-    return VerifyOutcome(tuple(pb.token_ids), pb.num_accepted, pb.committed_len, pb.verify_time_ns)
+def run_from_pb(pb: verifier_pb2.SessionRequest) -> SessionRun:
+    if not pb.HasField("session"):
+        raise InvalidRequest("SessionRequest.session is missing: send the session id, prompt and sampling")
+    if not pb.HasField("speculation"):
+        raise InvalidRequest("SessionRequest.speculation is missing: send the speculation policy")
+    return SessionRun(spec_from_pb(pb.session), pb.drafter_address, pb.max_new_tokens,
+                      policy_from_pb(pb.speculation, SpeculationPolicy()), tuple(pb.stop_token_ids))
+
+
+def commit_to_pb(c: StepCommit) -> verifier_pb2.StepCommit:
+    return verifier_pb2.StepCommit(token_ids=c.token_ids, num_draft_tokens=c.num_draft_tokens, num_accepted=c.num_accepted,
+                                   committed_len=c.committed_len, verify_time_ns=c.verify_time_ns, draft_wait_ns=c.draft_wait_ns,
+                                   predrafted=c.predrafted, finished=c.finished)
+
+
+def commit_from_pb(pb: verifier_pb2.StepCommit) -> StepCommit:
+    return StepCommit(tuple(pb.token_ids), pb.num_draft_tokens, pb.num_accepted, pb.committed_len, pb.verify_time_ns,
+                      pb.draft_wait_ns, pb.predrafted, pb.finished)
 
 
 def worker_info_to_pb(w: WorkerInfo) -> common_pb2.WorkerStatus:

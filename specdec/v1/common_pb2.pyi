@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class SpeculationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPECULATION_MODE_UNSPECIFIED: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_FIXED: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_ADAPTIVE: _ClassVar[SpeculationMode]
+SPECULATION_MODE_UNSPECIFIED: SpeculationMode
+SPECULATION_MODE_FIXED: SpeculationMode
+SPECULATION_MODE_ADAPTIVE: SpeculationMode
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -26,14 +36,6 @@ class DraftDistribution(_message.Message):
     probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
-class SequenceSync(_message.Message):
-    __slots__ = ("base_len", "append_ids")
-    BASE_LEN_FIELD_NUMBER: _ClassVar[int]
-    APPEND_IDS_FIELD_NUMBER: _ClassVar[int]
-    base_len: int
-    append_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, base_len: _Optional[int] = ..., append_ids: _Optional[_Iterable[int]] = ...) -> None: ...
-
 class OpenSessionRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "sampling", "drafter")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -45,24 +47,6 @@ class OpenSessionRequest(_message.Message):
     sampling: SamplingParams
     drafter: str
     def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ...) -> None: ...
-
-class OpenSessionResponse(_message.Message):
-    __slots__ = ("prefill_time_ns",)
-    PREFILL_TIME_NS_FIELD_NUMBER: _ClassVar[int]
-    prefill_time_ns: int
-    def __init__(self, prefill_time_ns: _Optional[int] = ...) -> None: ...
-
-class CloseSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
-
-class CloseSessionResponse(_message.Message):
-    __slots__ = ("existed",)
-    EXISTED_FIELD_NUMBER: _ClassVar[int]
-    existed: bool
-    def __init__(self, existed: _Optional[bool] = ...) -> None: ...
 
 class WorkerStatusRequest(_message.Message):
     __slots__ = ()
@@ -81,3 +65,15 @@ class WorkerStatus(_message.Message):
     context_length: int
     drafters: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, active_sessions: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., drafters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SpeculationPolicy(_message.Message):
+    __slots__ = ("mode", "num_speculative_tokens", "max_speculative_tokens", "overlap")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    mode: SpeculationMode
+    num_speculative_tokens: int
+    max_speculative_tokens: int
+    overlap: bool
+    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., num_speculative_tokens: _Optional[int] = ..., max_speculative_tokens: _Optional[int] = ..., overlap: _Optional[bool] = ...) -> None: ...

@@ -7,22 +7,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "sync", "num_speculative_tokens")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    SYNC_FIELD_NUMBER: _ClassVar[int]
-    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    sync: _common_pb2.SequenceSync
-    num_speculative_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SequenceSync, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+class SpeculateRequest(_message.Message):
+    __slots__ = ("open", "outcome")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    open: _common_pb2.OpenSessionRequest
+    outcome: StepOutcome
+    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSessionRequest, _Mapping]] = ..., outcome: _Optional[_Union[StepOutcome, _Mapping]] = ...) -> None: ...
 
-class DraftResponse(_message.Message):
-    __slots__ = ("draft_token_ids", "draft_distributions", "draft_time_ns")
+class StepOutcome(_message.Message):
+    __slots__ = ("committed_len", "token_ids", "num_speculative_tokens", "overlap")
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    committed_len: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_speculative_tokens: int
+    overlap: bool
+    def __init__(self, committed_len: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., overlap: _Optional[bool] = ...) -> None: ...
+
+class DraftBlock(_message.Message):
+    __slots__ = ("anchor_len", "assumed_ids", "draft_token_ids", "draft_distributions", "draft_time_ns")
+    ANCHOR_LEN_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    anchor_len: int
+    assumed_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftDistribution]
     draft_time_ns: int
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., draft_time_ns: _Optional[int] = ...) -> None: ...
+    def __init__(self, anchor_len: _Optional[int] = ..., assumed_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., draft_time_ns: _Optional[int] = ...) -> None: ...

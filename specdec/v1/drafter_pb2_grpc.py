@@ -27,7 +27,14 @@ if _version_not_supported:
 
 
 class DrafterStub:
-    """Proposes candidate tokens for a session: a small model, n-gram prompt lookup, or others.
+    """Proposes candidate tokens for sessions: a small model, n-gram prompt lookup, or others.
+
+    Topology (chosen by measurement, see README "Running it distributed"): the verifier, which holds
+    the per-request loop, opens one bidirectional Speculate stream per session to the drafter the
+    orchestrator placed the session on. Draft blocks flow drafter -> verifier and step outcomes
+    verifier -> drafter, so a step puts one hop, not four, on the critical path, and the drafter can
+    draft the next block while the verifier checks the current one. The orchestrator is off this
+    path: it receives committed tokens from the verifier's Generate stream.
     """
 
     def __init__(self, channel):
@@ -36,20 +43,10 @@ class DrafterStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.OpenSession = channel.unary_unary(
-                '/specdec.v1.Drafter/OpenSession',
-                request_serializer=specdec_dot_v1_dot_common__pb2.OpenSessionRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_common__pb2.OpenSessionResponse.FromString,
-                _registered_method=True)
-        self.Draft = channel.unary_unary(
-                '/specdec.v1.Drafter/Draft',
-                request_serializer=specdec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
-                _registered_method=True)
-        self.CloseSession = channel.unary_unary(
-                '/specdec.v1.Drafter/CloseSession',
-                request_serializer=specdec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_common__pb2.CloseSessionResponse.FromString,
+        self.Speculate = channel.stream_stream(
+                '/specdec.v1.Drafter/Speculate',
+                request_serializer=specdec_dot_v1_dot_drafter__pb2.SpeculateRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_drafter__pb2.DraftBlock.FromString,
                 _registered_method=True)
         self.GetWorkerStatus = channel.unary_unary(
                 '/specdec.v1.Drafter/GetWorkerStatus',
@@ -59,26 +56,23 @@ class DrafterStub:
 
 
 class DrafterServicer:
-    """Proposes candidate tokens for a session: a small model, n-gram prompt lookup, or others.
+    """Proposes candidate tokens for sessions: a small model, n-gram prompt lookup, or others.
+
+    Topology (chosen by measurement, see README "Running it distributed"): the verifier, which holds
+    the per-request loop, opens one bidirectional Speculate stream per session to the drafter the
+    orchestrator placed the session on. Draft blocks flow drafter -> verifier and step outcomes
+    verifier -> drafter, so a step puts one hop, not four, on the critical path, and the drafter can
+    draft the next block while the verifier checks the current one. The orchestrator is off this
+    path: it receives committed tokens from the verifier's Generate stream.
     """
 
-    def OpenSession(self, request, context):
-        """Opens a session and prefills the prompt.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Draft(self, request, context):
-        """Brings the session's committed tokens up to date and proposes the next draft tokens.
-        NOT_FOUND for an unknown session; FAILED_PRECONDITION when the sync does not fit.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def CloseSession(self, request, context):
-        """Frees the session. Idempotent.
+    def Speculate(self, request_iterator, context):
+        """One session's drafting for as long as the stream lives. The first request opens the session
+        (prefill); then every StepOutcome tells the drafter what the verifier committed, and the drafter
+        answers with draft blocks: the block for the new committed sequence and, while the verifier is
+        busy, pre-drafted blocks for the likeliest outcomes of the block in flight. Closing or cancelling
+        the stream frees the session. INVALID_ARGUMENT for a bad open or outcome (the stream ends);
+        RESOURCE_EXHAUSTED when the worker holds its maximum of sessions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,20 +88,10 @@ class DrafterServicer:
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'OpenSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.OpenSession,
-                    request_deserializer=specdec_dot_v1_dot_common__pb2.OpenSessionRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_common__pb2.OpenSessionResponse.SerializeToString,
-            ),
-            'Draft': grpc.unary_unary_rpc_method_handler(
-                    servicer.Draft,
-                    request_deserializer=specdec_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
-            ),
-            'CloseSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.CloseSession,
-                    request_deserializer=specdec_dot_v1_dot_common__pb2.CloseSessionRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_common__pb2.CloseSessionResponse.SerializeToString,
+            'Speculate': grpc.stream_stream_rpc_method_handler(
+                    servicer.Speculate,
+                    request_deserializer=specdec_dot_v1_dot_drafter__pb2.SpeculateRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_drafter__pb2.DraftBlock.SerializeToString,
             ),
             'GetWorkerStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWorkerStatus,
@@ -123,11 +107,18 @@ def add_DrafterServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Drafter:
-    """Proposes candidate tokens for a session: a small model, n-gram prompt lookup, or others.
+    """Proposes candidate tokens for sessions: a small model, n-gram prompt lookup, or others.
+
+    Topology (chosen by measurement, see README "Running it distributed"): the verifier, which holds
+    the per-request loop, opens one bidirectional Speculate stream per session to the drafter the
+    orchestrator placed the session on. Draft blocks flow drafter -> verifier and step outcomes
+    verifier -> drafter, so a step puts one hop, not four, on the critical path, and the drafter can
+    draft the next block while the verifier checks the current one. The orchestrator is off this
+    path: it receives committed tokens from the verifier's Generate stream.
     """
 
     @staticmethod
-    def OpenSession(request,
+    def Speculate(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -137,66 +128,12 @@ class Drafter:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/specdec.v1.Drafter/OpenSession',
-            specdec_dot_v1_dot_common__pb2.OpenSessionRequest.SerializeToString,
-            specdec_dot_v1_dot_common__pb2.OpenSessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Draft(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specdec.v1.Drafter/Draft',
-            specdec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
-            specdec_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def CloseSession(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specdec.v1.Drafter/CloseSession',
-            specdec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
-            specdec_dot_v1_dot_common__pb2.CloseSessionResponse.FromString,
+            '/specdec.v1.Drafter/Speculate',
+            specdec_dot_v1_dot_drafter__pb2.SpeculateRequest.SerializeToString,
+            specdec_dot_v1_dot_drafter__pb2.DraftBlock.FromString,
             options,
             channel_credentials,
             insecure,

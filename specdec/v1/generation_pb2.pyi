@@ -8,35 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class SpeculationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    SPECULATION_MODE_UNSPECIFIED: _ClassVar[SpeculationMode]
-    SPECULATION_MODE_FIXED: _ClassVar[SpeculationMode]
-    SPECULATION_MODE_ADAPTIVE: _ClassVar[SpeculationMode]
-
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_CONTEXT_FULL: _ClassVar[FinishReason]
-SPECULATION_MODE_UNSPECIFIED: SpeculationMode
-SPECULATION_MODE_FIXED: SpeculationMode
-SPECULATION_MODE_ADAPTIVE: SpeculationMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_CONTEXT_FULL: FinishReason
-
-class SpeculationPolicy(_message.Message):
-    __slots__ = ("mode", "num_speculative_tokens", "max_speculative_tokens")
-    MODE_FIELD_NUMBER: _ClassVar[int]
-    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    mode: SpeculationMode
-    num_speculative_tokens: int
-    max_speculative_tokens: int
-    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., num_speculative_tokens: _Optional[int] = ..., max_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "max_new_tokens", "sampling", "stop", "drafter", "speculation")
@@ -53,8 +34,8 @@ class GenerateRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     stop: _containers.RepeatedScalarFieldContainer[str]
     drafter: str
-    speculation: SpeculationPolicy
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., drafter: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationPolicy, _Mapping]] = ...) -> None: ...
+    speculation: _common_pb2.SpeculationPolicy
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., drafter: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -71,20 +52,26 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("drafts", "draft_tokens", "accepted_tokens", "verify_steps", "mean_accepted_length", "last_num_speculative_tokens")
+    __slots__ = ("drafts", "draft_tokens", "accepted_tokens", "verify_steps", "mean_accepted_length", "last_num_speculative_tokens", "predrafted_steps", "verify_time_ms", "draft_wait_time_ms")
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     LAST_NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_WAIT_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     drafts: int
     draft_tokens: int
     accepted_tokens: int
     verify_steps: int
     mean_accepted_length: float
     last_num_speculative_tokens: int
-    def __init__(self, drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., last_num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    predrafted_steps: int
+    verify_time_ms: float
+    draft_wait_time_ms: float
+    def __init__(self, drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., last_num_speculative_tokens: _Optional[int] = ..., predrafted_steps: _Optional[int] = ..., verify_time_ms: _Optional[float] = ..., draft_wait_time_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("session_id", "text", "token_ids", "finish_reason", "usage", "stats", "seed")

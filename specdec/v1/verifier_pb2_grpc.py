@@ -27,7 +27,9 @@ if _version_not_supported:
 
 
 class VerifierStub:
-    """Holds the target model and decides, with the rejection rule, which draft tokens are kept.
+    """Holds the target model and the per-request loop: it streams a session's draft blocks from a
+    drafter, verifies them (rejection rule), chooses the next speculation length, and streams
+    committed tokens to the orchestrator, which stores and forwards them off the draft-verify path.
     """
 
     def __init__(self, channel):
@@ -36,20 +38,10 @@ class VerifierStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.OpenSession = channel.unary_unary(
-                '/specdec.v1.Verifier/OpenSession',
-                request_serializer=specdec_dot_v1_dot_common__pb2.OpenSessionRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_common__pb2.OpenSessionResponse.FromString,
-                _registered_method=True)
-        self.Verify = channel.unary_unary(
-                '/specdec.v1.Verifier/Verify',
-                request_serializer=specdec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
-                _registered_method=True)
-        self.CloseSession = channel.unary_unary(
-                '/specdec.v1.Verifier/CloseSession',
-                request_serializer=specdec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_common__pb2.CloseSessionResponse.FromString,
+        self.Generate = channel.unary_stream(
+                '/specdec.v1.Verifier/Generate',
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.SessionRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.StepCommit.FromString,
                 _registered_method=True)
         self.GetWorkerStatus = channel.unary_unary(
                 '/specdec.v1.Verifier/GetWorkerStatus',
@@ -59,26 +51,17 @@ class VerifierStub:
 
 
 class VerifierServicer:
-    """Holds the target model and decides, with the rejection rule, which draft tokens are kept.
+    """Holds the target model and the per-request loop: it streams a session's draft blocks from a
+    drafter, verifies them (rejection rule), chooses the next speculation length, and streams
+    committed tokens to the orchestrator, which stores and forwards them off the draft-verify path.
     """
 
-    def OpenSession(self, request, context):
-        """Opens a session and prefills the prompt.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Verify(self, request, context):
-        """Checks draft tokens in one forward pass; commits the accepted tokens and the recovered or
-        bonus token. NOT_FOUND for an unknown session; FAILED_PRECONDITION when the sync does not fit.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def CloseSession(self, request, context):
-        """Frees the session. Idempotent.
+    def Generate(self, request, context):
+        """Runs a session to its end: prefill, then draft/verify steps until max_new_tokens, an end token,
+        a full context, or the caller cancels (which frees the session here and on the drafter). One
+        message per step. If the drafter is unreachable or slow the session goes on as plain decoding
+        and speculates again once the drafter is back. INVALID_ARGUMENT for a bad request;
+        RESOURCE_EXHAUSTED when the worker holds its maximum of sessions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,20 +77,10 @@ class VerifierServicer:
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'OpenSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.OpenSession,
-                    request_deserializer=specdec_dot_v1_dot_common__pb2.OpenSessionRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_common__pb2.OpenSessionResponse.SerializeToString,
-            ),
-            'Verify': grpc.unary_unary_rpc_method_handler(
-                    servicer.Verify,
-                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
-            ),
-            'CloseSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.CloseSession,
-                    request_deserializer=specdec_dot_v1_dot_common__pb2.CloseSessionRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_common__pb2.CloseSessionResponse.SerializeToString,
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.SessionRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.StepCommit.SerializeToString,
             ),
             'GetWorkerStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWorkerStatus,
@@ -123,11 +96,13 @@ def add_VerifierServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Verifier:
-    """Holds the target model and decides, with the rejection rule, which draft tokens are kept.
+    """Holds the target model and the per-request loop: it streams a session's draft blocks from a
+    drafter, verifies them (rejection rule), chooses the next speculation length, and streams
+    committed tokens to the orchestrator, which stores and forwards them off the draft-verify path.
     """
 
     @staticmethod
-    def OpenSession(request,
+    def Generate(request,
             target,
             options=(),
             channel_credentials=None,
@@ -137,66 +112,12 @@ class Verifier:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
-            '/specdec.v1.Verifier/OpenSession',
-            specdec_dot_v1_dot_common__pb2.OpenSessionRequest.SerializeToString,
-            specdec_dot_v1_dot_common__pb2.OpenSessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Verify(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specdec.v1.Verifier/Verify',
-            specdec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
-            specdec_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def CloseSession(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specdec.v1.Verifier/CloseSession',
-            specdec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
-            specdec_dot_v1_dot_common__pb2.CloseSessionResponse.FromString,
+            '/specdec.v1.Verifier/Generate',
+            specdec_dot_v1_dot_verifier__pb2.SessionRequest.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.StepCommit.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,88 @@
+"""A DraftLink over gRPC: the verifier's end of one session's Speculate stream to a draft worker."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from specdec.core.errors import WorkerUnavailable
+from specdec.core.overlap import BlockInbox
+from specdec.core.steps import DraftBlock, SessionSpec, StepOutcome
+from specdec.rpc import wire
+from specdec.rpc.server import CHANNEL_OPTIONS
+from specdec.v1 import drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class DraftChannels:
+    """One channel per draft worker address, shared by every session of this verifier."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, tuple[grpc.aio.Channel, drafter_pb2_grpc.DrafterStub]] = {}
+
+    def stub(self, address: str) -> drafter_pb2_grpc.DrafterStub:
+        if address not in self._stubs:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._stubs[address] = (channel, drafter_pb2_grpc.DrafterStub(channel))
+        return self._stubs[address][1]
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()
+
+
+class RemoteDraftLink:
+    def __init__(self, channels: DraftChannels, address: str) -> None:
+        self.address = address
+        self._stub = channels.stub(address)
+        self._inbox = BlockInbox()
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._call = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def open(self, spec: SessionSpec) -> None:
+        # No reply to wait for: a drafter that refuses the session ends the stream with a status,
+        # which the reader turns into a failed link (and the loop into plain decoding).
+        self._call = self._stub.Speculate()
+        self._outbox.put_nowait(drafter_pb2.SpeculateRequest(open=wire.spec_to_pb(spec)))
+        self._tasks = [asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())]
+
+    def send(self, outcome: StepOutcome) -> None:
+        if self.up:
+            self._outbox.put_nowait(wire.outcome_to_pb(outcome))
+
+    async def next_block(self, committed: Sequence[int], timeout_s: float) -> DraftBlock | None:
+        return await self._inbox.next_block(committed, timeout_s)
+
+    @property
+    def up(self) -> bool:
+        return self._call is not None and self._inbox.failed is None
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()  # the drafter frees the session when its stream ends
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._inbox.fail(WorkerUnavailable("link closed"))
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self._call.write(await self._outbox.get())
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            self._inbox.fail(WorkerUnavailable(f"drafter at {self.address}: {exc}"))
+
+    async def _read(self) -> None:
+        try:
+            async for msg in self._call:
+                self._inbox.add(wire.block_from_pb(msg))
+            self._inbox.fail(WorkerUnavailable(f"drafter at {self.address} ended the stream"))
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.CANCELLED:
+                log.warning("drafter at %s: %s: %s", self.address, err.code().name, err.details())
+            self._inbox.fail(WorkerUnavailable(f"drafter at {self.address}: {err.code().name}: {err.details()}"))

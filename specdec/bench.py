@@ -1,0 +1,360 @@
+"""``specdec bench``: every way of decoding, on the same prompts, in one run.
+
+Methods (greedy everywhere, so every output must equal target-only's token for token):
+  target_only              ``transformers`` generate on the target alone (HF forward): the baseline
+  specdec_k0               specdec, fixed k = 0: target-only through specdec's own lean forward
+  inproc_seq_k{K}          all roles in this process, fixed k = K, no overlap (draft, then verify)
+  inproc_seq_adaptive      the same, adaptive k
+  inproc_overlap_k4        in this process, overlap on (draft block n+1 while block n is verified)
+  inproc_overlap_adaptive
+  dist_seq_k{K}, dist_seq_adaptive, dist_overlap_k{K}, dist_overlap_adaptive
+                           over gRPC through a ``specdec up`` (three processes) that the command
+                           starts on free ports and stops at the end
+Methods alternate prompt by prompt (each prompt runs every method) after one warm-up pass on the
+first prompt, so machine noise hits all alike; the report gives ratios measured in this one run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fnmatch
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdec.core.sessions import SpecCounters
+from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+
+DEFAULT_KS = (1, 2, 3, 4, 5, 6, 7, 8)
+MAX_ADAPTIVE_K = 8  # the adaptive upper bound, as `specdec generate` defaults it
+BASELINE = "target_only"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str
+    draft: str
+    prompts: tuple[str, ...]
+    max_new_tokens: int = 96
+    ks: tuple[int, ...] = DEFAULT_KS
+    methods: tuple[str, ...] = ()  # substrings or globs; empty: all. target_only always runs.
+    distributed: bool = True
+    redis_url: str = ""  # sessions of the distributed orchestrator; "": in its memory
+    out: Path = Path("bench-results")
+    prompt_source: str = ""
+    threads: int = 1  # torch threads per model, as `specdec generate` and `specdec up` run them
+
+
+@dataclass(frozen=True)
+class Run:
+    """One method on one prompt."""
+
+    token_ids: tuple[int, ...]
+    seconds: float
+    counters: SpecCounters | None = None  # None: not specdec (target_only)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    family: str
+    policy: SpeculationPolicy | None = None  # None: target_only
+    distributed: bool = False
+
+
+def policy(k: int | None, overlap: bool) -> SpeculationPolicy:
+    """Fixed k, or adaptive (k None) starting at 4, up to MAX_ADAPTIVE_K."""
+    if k is None:
+        return SpeculationPolicy(SpeculationMode.ADAPTIVE, 4, MAX_ADAPTIVE_K, overlap=overlap)
+    return SpeculationPolicy(SpeculationMode.FIXED, k, max(k, MAX_ADAPTIVE_K), overlap=overlap)
+
+
+def all_methods(ks: tuple[int, ...]) -> list[Method]:
+    methods = [Method(BASELINE, "target only (HF)"), Method("specdec_k0", "specdec k=0", policy(0, False))]
+    for where, dist in (("inproc", False), ("dist", True)):
+        for mode, overlap in (("seq", False), ("overlap", True)):
+            family = f"{'in-process' if where == 'inproc' else 'distributed'}, {'overlap' if overlap else 'sequential'}"
+            fixed = (4,) if (where, mode) == ("inproc", "overlap") else ks
+            methods += [Method(f"{where}_{mode}_k{k}", family, policy(k, overlap), dist) for k in fixed]
+            methods.append(Method(f"{where}_{mode}_adaptive", family, policy(None, overlap), dist))
+    return methods
+
+
+def select(methods: list[Method], patterns: tuple[str, ...]) -> list[Method]:
+    """Methods whose name contains a pattern or matches it as a glob; the baseline always."""
+    def wanted(name: str) -> bool:
+        return not patterns or any(p in name or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+    return [m for m in methods if m.name == BASELINE or wanted(m.name)]
+
+
+# ----------------------------------------------------------------------------- runners
+class _Runners:
+    """Loads the models once and runs any method on a prompt."""
+
+    def __init__(self, config: BenchConfig, address: str | None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from specdec import roles
+        from specdec.draft.drafters import DraftConfig
+        from specdec.orchestrator.request import OrchestratorConfig
+        from specdec.target.engine import TargetConfig
+
+        self.n = config.max_new_tokens
+        torch.set_num_threads(config.threads)  # the baseline too
+        self.tokenizer = AutoTokenizer.from_pretrained(config.target, local_files_only=True)
+        self.hf = AutoModelForCausalLM.from_pretrained(config.target, local_files_only=True, dtype=torch.float32).eval()
+        self.orch = roles.embedded(TargetConfig(config.target, threads=config.threads),
+                                   DraftConfig(config.draft, config.target, threads=config.threads),
+                                   OrchestratorConfig(max_new_tokens_limit=max(2048, self.n)))
+        self.address, self.channel, self.stub = address, None, None
+
+    async def open(self, wait_s: float = 300.0) -> None:
+        """Connect to the distributed orchestrator, waiting while its processes load their models."""
+        if self.address is None:
+            return
+        import grpc
+
+        from specdec.rpc.server import CHANNEL_OPTIONS
+        from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
+
+        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                await self.stub.Generate(pb.GenerateRequest(text="x", max_new_tokens=1), timeout=30)
+                return
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise RuntimeError(f"the distributed orchestrator at {self.address} did not answer: "
+                                       f"{err.code().name}: {err.details()}") from err
+                await asyncio.sleep(0.5)
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+    async def run(self, method: Method, prompt: str) -> Run:
+        t0 = time.perf_counter()
+        if method.policy is None:
+            ids, counters = self._hf(prompt), None
+        elif method.distributed:
+            ids, counters = await self._remote(prompt, method.policy)
+        else:
+            ids, counters = await self._inproc(prompt, method.policy)
+        return Run(ids, time.perf_counter() - t0, counters)
+
+    def _hf(self, prompt: str) -> tuple[int, ...]:
+        import torch
+
+        ids = torch.tensor([self.tokenizer(prompt)["input_ids"]])
+        with torch.inference_mode():
+            out = self.hf.generate(ids, max_new_tokens=self.n, do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
+        return tuple(out[0, ids.shape[1]:].tolist())
+
+    async def _inproc(self, prompt: str, pol: SpeculationPolicy) -> tuple[tuple[int, ...], SpecCounters]:
+        from specdec.orchestrator.loop import collect
+        from specdec.orchestrator.request import GenerationRequest
+
+        last, ids, _ = await collect(self.orch.generate(
+            GenerationRequest(prompt_text=prompt, max_new_tokens=self.n, drafter="model", policy=pol)))
+        return ids, last.counters
+
+    async def _remote(self, prompt: str, pol: SpeculationPolicy) -> tuple[tuple[int, ...], SpecCounters]:
+        from specdec.v1 import common_pb2, generation_pb2 as pb
+
+        mode = common_pb2.SPECULATION_MODE_FIXED if pol.mode is SpeculationMode.FIXED else common_pb2.SPECULATION_MODE_ADAPTIVE
+        spec = common_pb2.SpeculationPolicy(mode=mode, num_speculative_tokens=pol.num_speculative_tokens,
+                                            max_speculative_tokens=pol.max_speculative_tokens, overlap=pol.overlap)
+        r = await self.stub.Generate(pb.GenerateRequest(text=prompt, max_new_tokens=self.n, drafter="model", speculation=spec),
+                                     timeout=600)
+        s = r.stats
+        return tuple(r.token_ids), SpecCounters(s.drafts, s.draft_tokens, s.accepted_tokens, s.verify_steps, s.predrafted_steps,
+                                                round(s.verify_time_ms * 1e6), round(s.draft_wait_time_ms * 1e6))
+
+
+# ----------------------------------------------------------------------------- the distributed deployment
+@dataclass
+class Deployment:
+    """A ``specdec up`` of our own (own process group, free ports), logging to ``log``."""
+
+    proc: subprocess.Popen
+    address: str
+    log: Path
+
+    @classmethod
+    def start(cls, config: BenchConfig) -> Deployment:
+        base = free_base_port()
+        log = config.out / "specdec-up.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--target", config.target, "--draft", config.draft,
+                                     "--base-port", str(base), "--redis-url", config.redis_url,
+                                     "--threads", str(config.threads)],
+                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        return cls(proc, f"127.0.0.1:{base}", log)
+
+    def stop(self) -> None:
+        """SIGTERM (``up`` stops its three servers gracefully), then kill the group if it hangs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def free_base_port() -> int:
+    """A port p with p, p+1 and p+2 free on loopback (orchestrator, draft, target)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + 2 < 65536 and all(_free(base + i) for i in range(3)):
+            return base
+    raise RuntimeError("no three consecutive free ports on 127.0.0.1")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+# ----------------------------------------------------------------------------- the run
+@dataclass
+class Results:
+    methods: list[Method]
+    runs: dict[str, list[Run]] = field(default_factory=dict)
+    mismatches: list[dict] = field(default_factory=list)
+
+
+def bench(config: BenchConfig, progress: Callable[[str], None] | None = None) -> dict:
+    """Run every selected method on every prompt; write bench.json (and bench.png) under ``config.out``
+    and return the report (see ``specdec.bench_report.report``)."""
+    from specdec import bench_report
+
+    progress = progress or _Progress()
+    config.out.mkdir(parents=True, exist_ok=True)
+    methods = select(all_methods(config.ks), config.methods)
+    if not config.distributed:
+        methods = [m for m in methods if not m.distributed]
+    deployment = Deployment.start(config) if any(m.distributed for m in methods) else None
+    try:
+        runners = _Runners(config, deployment.address if deployment else None)
+        results = asyncio.run(_run_all(config, methods, runners, progress, deployment))
+    finally:
+        if deployment is not None:
+            deployment.stop()
+    report = bench_report.report(config, results)
+    bench_report.write(report, config.out, progress)
+    return report
+
+
+async def _run_all(config: BenchConfig, methods: list[Method], runners: _Runners, progress, deployment) -> Results:
+    results = Results(methods, {m.name: [] for m in methods})
+    t0 = time.perf_counter()
+    try:
+        if deployment is not None:
+            progress(f"waiting for specdec up at {deployment.address} (log: {deployment.log})")
+            await _until_exit_or(runners.open(), deployment)
+        n = len(config.prompts)
+        for i, prompt in [(-1, config.prompts[0]), *enumerate(config.prompts)]:
+            ref = None
+            for m in methods:
+                progress(f"{'warm-up' if i < 0 else f'prompt {i + 1}/{n}'}  {m.name:<24} elapsed {time.perf_counter() - t0:6.1f}s")
+                run = await runners.run(m, prompt)
+                if i < 0:
+                    continue
+                results.runs[m.name].append(run)
+                ref = run.token_ids if ref is None else ref  # the baseline runs first
+                if run.token_ids != ref:
+                    first = next((j for j, (a, b) in enumerate(zip(run.token_ids, ref)) if a != b), min(len(ref), len(run.token_ids)))
+                    results.mismatches.append({"prompt": i, "method": m.name, "first_difference_at": first})
+        progress(f"done in {time.perf_counter() - t0:.1f}s", end=True)
+    finally:
+        await runners.close()
+    return results
+
+
+async def _until_exit_or(awaitable: Awaitable, deployment: Deployment):
+    """Await, but fail at once (with the log's tail) if the deployment's process exits meanwhile."""
+    task = asyncio.ensure_future(awaitable)
+    while not task.done():
+        await asyncio.wait([task], timeout=0.5)
+        if not task.done() and deployment.proc.poll() is not None:
+            task.cancel()
+            tail = deployment.log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"specdec up exited with {deployment.proc.returncode}:\n{tail}")
+    return task.result()
+
+
+class _Progress:
+    """One overwritten line on a terminal, one line per step otherwise; always on stderr."""
+
+    def __init__(self, stream=sys.stderr) -> None:
+        self.stream, self.tty = stream, stream.isatty()
+
+    def __call__(self, line: str, end: bool = False) -> None:
+        if self.tty:
+            self.stream.write(f"\r\033[K{line}" + ("\n" if end else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+# ----------------------------------------------------------------------------- command line
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target model folder (default: $SPECDEC_TARGET_MODEL or the demo pair)")
+    p.add_argument("--draft", help="draft model folder (default: $SPECDEC_DRAFT_MODEL or the demo pair)")
+    p.add_argument("--prompts", type=int, default=8, help="number of prompts (default 8)")
+    p.add_argument("--prompts-file", help="prompts: a JSON list of strings, or one per line "
+                                          "(default: the pair's held-out files, else built-in code openings)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--k", default=",".join(map(str, DEFAULT_KS)), help="fixed speculation lengths (default 1,...,8)")
+    p.add_argument("--methods", default="", help="comma-separated substrings or globs of method names (target_only always runs)")
+    p.add_argument("--skip-distributed", action="store_true", help="no `specdec up`: in-process methods only")
+    p.add_argument("--redis-url", default=os.environ.get("SPECDEC_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                   help="session store of the distributed orchestrator ('' keeps sessions in its memory)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per model, in every method (default 1)")
+    p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png (default ./bench-results)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``specdec bench`` command: 0 when every output equals target-only's, else 1."""
+    from specdec import bench_report
+    from specdec.bench_common import bench_prompts
+    from specdec.cli import ENV_DRAFT, ENV_TARGET, UsageError, model_path
+
+    try:
+        ks = tuple(sorted({int(k) for k in args.k.split(",") if k.strip()}))
+    except ValueError:
+        raise UsageError(f"--k takes comma-separated integers, got {args.k!r}") from None
+    if not ks or min(ks) < 1:
+        raise UsageError(f"--k takes speculation lengths >= 1, got {args.k!r}")
+    if args.prompts < 1 or args.max_new_tokens < 1:
+        raise UsageError("--prompts and --max-new-tokens must be >= 1")
+    target = model_path(args.target, ENV_TARGET, "target")
+    prompts, source = bench_prompts(args.prompts, target, args.prompts_file)
+    config = BenchConfig(target, model_path(args.draft, ENV_DRAFT, "draft"), tuple(prompts), args.max_new_tokens, ks,
+                         tuple(p.strip() for p in args.methods.split(",") if p.strip()), not args.skip_distributed,
+                         args.redis_url, Path(args.out), source, args.threads)
+    # Ctrl-C raises KeyboardInterrupt; make SIGTERM unwind the same way so `specdec up` is stopped.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        report = bench(config)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(bench_report.table(report))
+    return bench_report.exit_code(report)
