@@ -20,15 +20,13 @@ import asyncio
 import fnmatch
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.core.sessions import SpecCounters
+from specdec.bench_runners import BenchError, Deployment, Run, Runners, until_exit_or
 from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 
 DEFAULT_KS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -49,15 +47,6 @@ class BenchConfig:
     out: Path = Path("bench-results")
     prompt_source: str = ""
     threads: int = 1  # torch threads per model, as `specdec generate` and `specdec up` run them
-
-
-@dataclass(frozen=True)
-class Run:
-    """One method on one prompt."""
-
-    token_ids: tuple[int, ...]
-    seconds: float
-    counters: SpecCounters | None = None  # None: not specdec (target_only)
 
 
 @dataclass(frozen=True)
@@ -94,144 +83,6 @@ def select(methods: list[Method], patterns: tuple[str, ...]) -> list[Method]:
     return [m for m in methods if m.name == BASELINE or wanted(m.name)]
 
 
-# ----------------------------------------------------------------------------- runners
-class _Runners:
-    """Loads the models once and runs any method on a prompt."""
-
-    def __init__(self, config: BenchConfig, address: str | None) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from specdec import roles
-        from specdec.draft.drafters import DraftConfig
-        from specdec.orchestrator.request import OrchestratorConfig
-        from specdec.target.engine import TargetConfig
-
-        self.n = config.max_new_tokens
-        torch.set_num_threads(config.threads)  # the baseline too
-        self.tokenizer = AutoTokenizer.from_pretrained(config.target, local_files_only=True)
-        self.hf = AutoModelForCausalLM.from_pretrained(config.target, local_files_only=True, dtype=torch.float32).eval()
-        self.orch = roles.embedded(TargetConfig(config.target, threads=config.threads),
-                                   DraftConfig(config.draft, config.target, threads=config.threads),
-                                   OrchestratorConfig(max_new_tokens_limit=max(2048, self.n)))
-        self.address, self.channel, self.stub = address, None, None
-
-    async def open(self, wait_s: float = 300.0) -> None:
-        """Connect to the distributed orchestrator, waiting while its processes load their models."""
-        if self.address is None:
-            return
-        import grpc
-
-        from specdec.rpc.server import CHANNEL_OPTIONS
-        from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
-
-        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                await self.stub.Generate(pb.GenerateRequest(text="x", max_new_tokens=1), timeout=30)
-                return
-            except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise RuntimeError(f"the distributed orchestrator at {self.address} did not answer: "
-                                       f"{err.code().name}: {err.details()}") from err
-                await asyncio.sleep(0.5)
-
-    async def close(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
-
-    async def run(self, method: Method, prompt: str) -> Run:
-        t0 = time.perf_counter()
-        if method.policy is None:
-            ids, counters = self._hf(prompt), None
-        elif method.distributed:
-            ids, counters = await self._remote(prompt, method.policy)
-        else:
-            ids, counters = await self._inproc(prompt, method.policy)
-        return Run(ids, time.perf_counter() - t0, counters)
-
-    def _hf(self, prompt: str) -> tuple[int, ...]:
-        import torch
-
-        ids = torch.tensor([self.tokenizer(prompt)["input_ids"]])
-        with torch.inference_mode():
-            out = self.hf.generate(ids, max_new_tokens=self.n, do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
-        return tuple(out[0, ids.shape[1]:].tolist())
-
-    async def _inproc(self, prompt: str, pol: SpeculationPolicy) -> tuple[tuple[int, ...], SpecCounters]:
-        from specdec.orchestrator.loop import collect
-        from specdec.orchestrator.request import GenerationRequest
-
-        last, ids, _ = await collect(self.orch.generate(
-            GenerationRequest(prompt_text=prompt, max_new_tokens=self.n, drafter="model", policy=pol)))
-        return ids, last.counters
-
-    async def _remote(self, prompt: str, pol: SpeculationPolicy) -> tuple[tuple[int, ...], SpecCounters]:
-        from specdec.v1 import common_pb2, generation_pb2 as pb
-
-        mode = common_pb2.SPECULATION_MODE_FIXED if pol.mode is SpeculationMode.FIXED else common_pb2.SPECULATION_MODE_ADAPTIVE
-        spec = common_pb2.SpeculationPolicy(mode=mode, num_speculative_tokens=pol.num_speculative_tokens,
-                                            max_speculative_tokens=pol.max_speculative_tokens, overlap=pol.overlap)
-        r = await self.stub.Generate(pb.GenerateRequest(text=prompt, max_new_tokens=self.n, drafter="model", speculation=spec),
-                                     timeout=600)
-        s = r.stats
-        return tuple(r.token_ids), SpecCounters(s.drafts, s.draft_tokens, s.accepted_tokens, s.verify_steps, s.predrafted_steps,
-                                                round(s.verify_time_ms * 1e6), round(s.draft_wait_time_ms * 1e6))
-
-
-# ----------------------------------------------------------------------------- the distributed deployment
-@dataclass
-class Deployment:
-    """A ``specdec up`` of our own (own process group, free ports), logging to ``log``."""
-
-    proc: subprocess.Popen
-    address: str
-    log: Path
-
-    @classmethod
-    def start(cls, config: BenchConfig) -> Deployment:
-        base = free_base_port()
-        log = config.out / "specdec-up.log"
-        with open(log, "wb") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--target", config.target, "--draft", config.draft,
-                                     "--base-port", str(base), "--redis-url", config.redis_url,
-                                     "--threads", str(config.threads)],
-                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        return cls(proc, f"127.0.0.1:{base}", log)
-
-    def stop(self) -> None:
-        """SIGTERM (``up`` stops its three servers gracefully), then kill the group if it hangs."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
-def free_base_port() -> int:
-    """A port p with p, p+1 and p+2 free on loopback (orchestrator, draft, target)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + 2 < 65536 and all(_free(base + i) for i in range(3)):
-            return base
-    raise RuntimeError("no three consecutive free ports on 127.0.0.1")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 # ----------------------------------------------------------------------------- the run
 @dataclass
 class Results:
@@ -240,7 +91,7 @@ class Results:
     mismatches: list[dict] = field(default_factory=list)
 
 
-def bench(config: BenchConfig, progress: Callable[[str], None] | None = None) -> dict:
+def bench(config: BenchConfig, progress: Callable[..., None] | None = None) -> dict:
     """Run every selected method on every prompt; write bench.json (and bench.png) under ``config.out``
     and return the report (see ``specdec.bench_report.report``)."""
     from specdec import bench_report
@@ -252,7 +103,8 @@ def bench(config: BenchConfig, progress: Callable[[str], None] | None = None) ->
         methods = [m for m in methods if not m.distributed]
     deployment = Deployment.start(config) if any(m.distributed for m in methods) else None
     try:
-        runners = _Runners(config, deployment.address if deployment else None)
+        in_process = any(m.policy is not None and not m.distributed for m in methods)
+        runners = Runners(config, deployment.address if deployment else None, in_process)
         results = asyncio.run(_run_all(config, methods, runners, progress, deployment))
     finally:
         if deployment is not None:
@@ -262,13 +114,13 @@ def bench(config: BenchConfig, progress: Callable[[str], None] | None = None) ->
     return report
 
 
-async def _run_all(config: BenchConfig, methods: list[Method], runners: _Runners, progress, deployment) -> Results:
+async def _run_all(config: BenchConfig, methods: list[Method], runners: Runners, progress, deployment) -> Results:
     results = Results(methods, {m.name: [] for m in methods})
     t0 = time.perf_counter()
     try:
         if deployment is not None:
             progress(f"waiting for specdec up at {deployment.address} (log: {deployment.log})")
-            await _until_exit_or(runners.open(), deployment)
+            await until_exit_or(runners.open(), deployment)
         n = len(config.prompts)
         for i, prompt in [(-1, config.prompts[0]), *enumerate(config.prompts)]:
             ref = None
@@ -286,18 +138,6 @@ async def _run_all(config: BenchConfig, methods: list[Method], runners: _Runners
     finally:
         await runners.close()
     return results
-
-
-async def _until_exit_or(awaitable: Awaitable, deployment: Deployment):
-    """Await, but fail at once (with the log's tail) if the deployment's process exits meanwhile."""
-    task = asyncio.ensure_future(awaitable)
-    while not task.done():
-        await asyncio.wait([task], timeout=0.5)
-        if not task.done() and deployment.proc.poll() is not None:
-            task.cancel()
-            tail = deployment.log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"specdec up exited with {deployment.proc.returncode}:\n{tail}")
-    return task.result()
 
 
 class _Progress:
@@ -354,6 +194,12 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         report = bench(config)
+    except BenchError as exc:
+        print(f"specdec bench: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nspecdec bench: interrupted", file=sys.stderr)
+        return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(bench_report.table(report))

@@ -47,6 +47,7 @@ class DraftConfig:
     max_sessions: int = 256
     idle_timeout_s: float = 300.0
     threads: int | None = None
+    thread_nice: int = 10  # niceness of the draft thread: yields cores to a verifier and event loops sharing them
 
 
 DrafterFactory = Callable[[DraftConfig], Drafter | None]

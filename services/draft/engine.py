@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -97,6 +98,13 @@ class DraftEngine:
 
     # ------------------------------------------------------------------ the draft thread
     def _serve(self) -> None:
+        # Drafting is speculative work: where it shares cores with a verifier or with this worker's
+        # own event loop (one machine, `specdec up`, `specdec generate`), those go first. Linux
+        # gives each thread its own nice value; elsewhere this is a no-op.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.config.thread_nice)
+        except (AttributeError, OSError, PermissionError):
+            pass
         while True:
             with self._lock:
                 job = self._next_job()

@@ -19,7 +19,7 @@ from specdec.draft.drafters import DraftSession
 
 JUST_IN_TIME = Predraft((), False, 1.0)
 NUM_ALTERNATIVES = 2  # recovered-token guesses kept per draft position
-MAX_PREDRAFTS = 6  # blocks drafted ahead per block in flight, at most
+MAX_PREDRAFTS = 9  # blocks drafted ahead per block in flight, at most
 
 
 @dataclass(frozen=True)
