@@ -5,6 +5,7 @@ identically on both sides (a requirement for the rejection rule to be lossless).
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -16,6 +17,19 @@ from specdec.core.errors import InvalidRequest
 MIN_TEMPERATURE = 1e-4
 
 
+class VerificationRule(str, enum.Enum):
+    """How sampled draft tokens are checked (greedy needs neither: it is exact-match at the argmax).
+
+    REJECTION: Leviathan et al.'s rule (specdec.core.rejection): the target's distribution, the
+    highest acceptance; a seed reproduces the output only under the same speculation schedule.
+    COUPLED: per-position Gumbel noise shared by drafter and verifier (specdec.core.coupled): every
+    token is the one target-only sampling with that seed picks, whatever k, drafter or replica.
+    """
+
+    REJECTION = "rejection"
+    COUPLED = "coupled"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen. ``temperature == 0`` means greedy (argmax, ties to the lowest id)."""
@@ -24,6 +38,7 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0  # 1.0: no nucleus filter
     seed: int = 0  # keys the counter-based RNG (specdec.core.rng); irrelevant when greedy
+    rule: VerificationRule = VerificationRule.REJECTION
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
@@ -39,6 +54,13 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
         if not 0 <= self.seed < 2**64:
             raise InvalidRequest(f"seed must be in [0, 2**64), got {self.seed}")
+        if not isinstance(self.rule, VerificationRule):
+            raise InvalidRequest(f"rule must be one of {[r.value for r in VerificationRule]}, got {self.rule!r}")
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled (not greedy) under the coupled rule."""
+        return not self.greedy and self.rule is VerificationRule.COUPLED
 
     @property
     def greedy(self) -> bool:

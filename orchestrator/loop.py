@@ -169,7 +169,7 @@ def _params_json(request: GenerationRequest, drafter: str) -> dict:
     s = request.sampling
     return {
         "max_new_tokens": request.max_new_tokens,
-        "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p},
+        "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "rule": s.rule.value},
         "seed_given": request.seed_given,
         "stop": list(request.stop),
         "drafter": drafter,
@@ -177,6 +177,7 @@ def _params_json(request: GenerationRequest, drafter: str) -> dict:
             "mode": request.policy.mode.value,
             "num_speculative_tokens": request.policy.num_speculative_tokens,
             "max_speculative_tokens": request.policy.max_speculative_tokens,
+            "overlap": request.policy.overlap,
         },
     }
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from specdec.core.errors import SpecdecError
-from specdec.core.sampling import SamplingParams
+from specdec.core.sampling import SamplingParams, VerificationRule
 from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "models" / "demo"
@@ -57,6 +57,9 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--rule", choices=("coupled", "rejection"), default=None,
+                   help="how sampled drafts are verified (default: coupled when --seed is given: the same text "
+                        "whatever the speculation; rejection otherwise: the highest acceptance)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--drafter", default="model", help="model | ngram")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="fixed speculation length (default: adaptive)")
@@ -102,12 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def resolve_rule(args) -> str:
+    """The --rule flag, else the server's default: coupled for a chosen seed, rejection otherwise."""
+    return args.rule or ("coupled" if args.seed is not None else "rejection")
+
+
 def request_from_args(args) -> "GenerationRequest":
     from specdec.orchestrator.request import GenerationRequest
     import secrets
 
     seed = args.seed if args.seed is not None else secrets.randbits(63)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, seed)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, seed, VerificationRule(resolve_rule(args)))
     if args.num_speculative_tokens is None:
         policy = SpeculationPolicy(SpeculationMode.ADAPTIVE, min(4, args.max_speculative_tokens), args.max_speculative_tokens,
                                    overlap=not args.no_overlap)
@@ -168,7 +176,8 @@ async def _generate_remote(args) -> int:
     from specdec.v1 import common_pb2, generation_pb2 as pb, generation_pb2_grpc
     from specdec.v1.common_pb2 import SPECULATION_MODE_ADAPTIVE, SPECULATION_MODE_FIXED
 
-    sampling = common_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    rules = {"coupled": common_pb2.VERIFICATION_RULE_COUPLED, "rejection": common_pb2.VERIFICATION_RULE_REJECTION}
+    sampling = common_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, rule=rules[resolve_rule(args)])
     if args.seed is not None:
         sampling.seed = args.seed
     policy = common_pb2.SpeculationPolicy(mode=SPECULATION_MODE_ADAPTIVE, max_speculative_tokens=args.max_speculative_tokens,

@@ -74,6 +74,7 @@ BAD_REQUESTS: list[tuple[str, Callable[[], pb.GenerateRequest], str]] = [
     ("top-p-above-1", lambda: req(temperature=1.0, top_p=1.5), "top_p"),
     ("top-p-negative", lambda: req(temperature=1.0, top_p=-0.1), "top_p"),
     ("unknown-drafter", lambda: req(drafter="no-such-drafter"), "drafter"),
+    ("unknown-verification-rule", lambda: req(temperature=1.0, rule=7), "sampling.rule"),
     ("prompt-ids-fill-context", lambda: req(ids=[7] * CONTEXT), "context"),
     ("prompt-ids-over-context", lambda: req(ids=[7] * (CONTEXT + 50)), "context"),
     ("prompt-text-over-context", lambda: req(text=LONG_TEXT), "context"),

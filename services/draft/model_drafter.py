@@ -1,6 +1,8 @@
 """Drafting with a small causal LM that shares the target's tokenizer.
 
-Greedy: the draft's argmax tokens, sent as point masses. Sampling: each draft token is drawn from
+Greedy: the draft's argmax tokens, sent as point masses. Coupled sampling (specdec.core.coupled):
+the draft's own coupled token under the request's per-position noise, sent as a point mass too.
+Sampling under the rejection rule: each draft token is drawn from
 the draft's distribution (same temperature / top-k / top-p as the target) truncated to its
 ``proposal_top_k`` most likely tokens and renormalised; that exact distribution is sent, so the
 verifier's rejection rule stays lossless while a step ships K numbers per token, not a vocabulary
@@ -15,6 +17,8 @@ import torch
 
 from specdec.core import rng
 from specdec.core.branch_decode import BranchBatch
+from specdec.core.coupled import processed_logprobs
+from specdec.core.noise import gumbel_noise
 from specdec.core.kv import KVSequence
 from specdec.core.llama_decode import LlamaDecoder, supports
 from specdec.core.models import LoadedModel, check_same_tokenizer, load_causal_lm
@@ -61,13 +65,18 @@ class ModelDraftSession:
                 alternatives.append(alt)
             tokens.append(token)
             seq.append(token)
-        distributions = None if self._sampling.greedy else tuple(dists)
+        distributions = tuple(dists) if dists else None
         return DraftProposal(tuple(tokens), distributions, time.perf_counter_ns() - t0, tuple(alternatives))
 
     def _pick(self, logits: torch.Tensor, position: int, num_alternatives: int) -> tuple[int, SparseDistribution | None, tuple[int, ...]]:
         """One draft token from one row of logits [vocab]: the token, its distribution (None: greedy), alternatives."""
         if self._sampling.greedy:
             token, dist, ranked = int(logits.argmax()), None, logits
+        elif self._sampling.coupled:
+            # The very noise row the verifier adds at this position: the draft is its own coupled
+            # token, and no distribution needs to cross the wire.
+            ranked = processed_logprobs(logits, self._sampling) + gumbel_noise(self._sampling.seed, (position,), logits.shape[-1])[0]
+            token, dist = int(ranked.argmax()), None
         else:
             ranked = probs_from_logits(logits, self._sampling)  # [vocab]
             ids, probs_k = truncate_top_k(ranked, self._top_k)
@@ -114,7 +123,7 @@ class ModelDraftSession:
                 alts.append(alt)
                 feed[b] = token
         elapsed = time.perf_counter_ns() - t0
-        return [DraftProposal(tuple(tokens), None if self._sampling.greedy else tuple(dists), elapsed, tuple(alts))
+        return [DraftProposal(tuple(tokens), tuple(dists) if dists else None, elapsed, tuple(alts))
                 for tokens, dists, alts in rows]
 
 

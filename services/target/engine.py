@@ -10,6 +10,8 @@ from specdec.core import rng
 from specdec.core.kv import KVSequence
 from specdec.core.llama_decode import PACK_ROWS, LlamaDecoder, supports
 from specdec.core.models import LoadedModel, load_causal_lm
+from specdec.core.coupled import coupled_verify_one, processed_logprobs
+from specdec.core.noise import gumbel_noise
 from specdec.core.rejection import greedy_verify, rejection_sample
 from specdec.core.sampling import SamplingParams, probs_from_logits
 from specdec.core.session_table import SessionTable
@@ -73,6 +75,9 @@ class VerifierEngine:
         logits = s.kv.logits_for(s.committed + list(proposal.token_ids), k + 1)  # [k+1, vocab]
         if s.sampling.greedy:
             tokens, accepted = greedy_verify(proposal.token_ids, logits)
+        elif s.sampling.coupled:
+            noise = gumbel_noise(s.sampling.seed, range(n, n + k + 1), logits.shape[-1])  # [k+1, vocab]
+            tokens, accepted = coupled_verify_one(proposal.token_ids, processed_logprobs(logits, s.sampling), noise)
         else:
             tokens, accepted = self._sample(s, n, proposal, draft_probs, logits)
         s.committed.extend(tokens)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specdec.core.errors import InvalidRequest
-from specdec.core.sampling import SamplingParams
+from specdec.core.sampling import SamplingParams, VerificationRule
 from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 from specdec.core.steps import (
     DraftBlock,
@@ -20,17 +20,28 @@ _MODE = {common_pb2.SPECULATION_MODE_FIXED: SpeculationMode.FIXED, common_pb2.SP
 _MODE_PB = {v: k for k, v in _MODE.items()}
 
 
+_RULE = {common_pb2.VERIFICATION_RULE_REJECTION: VerificationRule.REJECTION,
+         common_pb2.VERIFICATION_RULE_COUPLED: VerificationRule.COUPLED}
+_RULE_PB = {v: k for k, v in _RULE.items()}
+
+
 def sampling_from_pb(pb: common_pb2.SamplingParams, default_seed: int = 0) -> SamplingParams:
+    """Unset rule: coupled when the caller chose the seed (it then means this exact output), else rejection."""
+    if pb.rule != common_pb2.VERIFICATION_RULE_UNSPECIFIED and pb.rule not in _RULE:  # proto3 enums are open
+        raise InvalidRequest(f"sampling.rule {pb.rule} is unknown: use VERIFICATION_RULE_REJECTION or VERIFICATION_RULE_COUPLED")
+    seed_given = pb.HasField("seed")
+    default_rule = VerificationRule.COUPLED if seed_given else VerificationRule.REJECTION
     return SamplingParams(
         temperature=pb.temperature,
         top_k=pb.top_k,
         top_p=pb.top_p if pb.top_p != 0 else 1.0,
-        seed=pb.seed if pb.HasField("seed") else default_seed,
+        seed=pb.seed if seed_given else default_seed,
+        rule=_RULE.get(pb.rule, default_rule),
     )
 
 
 def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+    return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed, rule=_RULE_PB[s.rule])
 
 
 def policy_from_pb(msg: common_pb2.SpeculationPolicy, default: SpeculationPolicy) -> SpeculationPolicy:

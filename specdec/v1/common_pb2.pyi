@@ -7,26 +7,37 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class VerificationRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VERIFICATION_RULE_UNSPECIFIED: _ClassVar[VerificationRule]
+    VERIFICATION_RULE_REJECTION: _ClassVar[VerificationRule]
+    VERIFICATION_RULE_COUPLED: _ClassVar[VerificationRule]
+
 class SpeculationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SPECULATION_MODE_UNSPECIFIED: _ClassVar[SpeculationMode]
     SPECULATION_MODE_FIXED: _ClassVar[SpeculationMode]
     SPECULATION_MODE_ADAPTIVE: _ClassVar[SpeculationMode]
+VERIFICATION_RULE_UNSPECIFIED: VerificationRule
+VERIFICATION_RULE_REJECTION: VerificationRule
+VERIFICATION_RULE_COUPLED: VerificationRule
 SPECULATION_MODE_UNSPECIFIED: SpeculationMode
 SPECULATION_MODE_FIXED: SpeculationMode
 SPECULATION_MODE_ADAPTIVE: SpeculationMode
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "rule")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    rule: VerificationRule
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., rule: _Optional[_Union[VerificationRule, str]] = ...) -> None: ...
 
 class DraftDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
