@@ -16,7 +16,6 @@ is only read, so the drafter's real KV is untouched whatever branch wins. The pe
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -83,30 +82,12 @@ class BranchBatch:
         if t >= self.max_steps:
             raise ValueError(f"all {self.max_steps} steps of this batch are used")
         dec = self._decoder
-        h, kv, d = dec.n_heads, dec.n_kv, dec.head_dim
-        lo = self._prefix + t * B  # this step's scratch slots [lo, end)
-        end = lo + B
+        lo = self._prefix + t * B  # this step's scratch slots [lo, lo + B)
         x = dec.embed[torch.tensor(token_ids)]  # [B, hidden]
-        rotary = self._rotary[t]  # [B, 1, d/2]
-        mask = self._masks[t]  # [B, end] or None
-        buf = self._buf
-        shape = (dec.hidden,)
-        for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(dec.layers):
-            qkv = qkv_proj(F.rms_norm(x, shape, ln1, dec.eps))  # [B, (h + 2kv) * d]
-            qk = torch.view_as_complex(qkv[:, : (h + kv) * d].float().reshape(B, h + kv, d // 2, 2))  # [B, h + kv, d/2]
-            qk = torch.view_as_real(qk * rotary).reshape(B, h + kv, d).to(dec.dtype)  # each row at its own position
-            buf[i, 0, :, lo:end] = qk[:, h:].transpose(0, 1)  # keys [kv, B, d]
-            buf[i, 1, :, lo:end] = qkv[:, (h + kv) * d :].view(B, kv, d).transpose(0, 1)  # values
-            # 4-D inputs, as in LlamaDecoder.forward: 3-D ones take the slow math path.
-            att = F.scaled_dot_product_attention(
-                qk[None, :, :h].transpose(1, 2), buf[None, i, 0, :, :end], buf[None, i, 1, :, :end],
-                attn_mask=mask, scale=1.0 / math.sqrt(d), enable_gqa=kv != h,
-            )  # [1, h, B, d]
-            x = x + o_proj(att[0].transpose(0, 1).reshape(B, h * d))
-            gate, up = gate_up_proj(F.rms_norm(x, shape, ln2, dec.eps)).chunk(2, dim=-1)
-            x = x + down_proj(F.silu(gate) * up)
+        # Row b at its own position (rotary) and seeing only its branch (mask): LlamaDecoder's layer math.
+        x = dec.layers_forward(x, self._rotary[t], self._buf, lo, self._masks[t])
         self.steps = t + 1
-        return dec.lm_head(F.rms_norm(x, shape, dec.final_norm, dec.eps)).float()  # [B, vocab]
+        return dec.lm_head(F.rms_norm(x, (dec.hidden,), dec.final_norm, dec.eps)).float()  # [B, vocab]
 
 
 def draft_greedy(batch: BranchBatch, first_tokens: Sequence[int], num_tokens: int) -> list[list[int]]:

@@ -177,19 +177,18 @@ class LlamaDecoder:
         grown[:, :, :, : cache.capacity] = cache.buf
         cache.buf = grown
 
-    @torch.inference_mode()
-    def forward(self, cache: DecodeCache, token_ids: list[int], start: int, num_last: int | None = None) -> torch.Tensor:
-        """Feed ``token_ids`` at positions start.. into ``cache``; logits of the last ``num_last``
-        (default: all) of them, ``[num_last, vocab]``."""
-        n = len(token_ids)
+    def layers_forward(self, x: torch.Tensor, rotary: torch.Tensor, buf: torch.Tensor, start: int,
+                       mask: torch.Tensor | None) -> torch.Tensor:
+        """Every decoder layer over rows ``x`` [n, hidden] at rotary angles ``rotary`` [n, 1, d/2].
+
+        Row r's keys and values are written at ``buf`` position ``start + r`` (``buf``:
+        [layers, 2, kv_heads, >= start + n, head_dim]), and each row attends to positions
+        ``[0, start + n)`` where ``mask`` [n, start + n] allows (None: all of them). The one place
+        the layer math lives: the sequence forward and the branch forward (core/branch_decode.py) share it.
+        """
+        n = x.shape[0]
         end = start + n
-        self._reserve(cache, end)
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
-        x = self.embed[torch.tensor(token_ids)]  # [n, hidden]
-        rotary = self.rotary[start:end]  # [n, 1, d/2]
-        # Causal mask only when several tokens arrive at once (prefill / multi-token feed).
-        mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start) if n > 1 else None  # [n, end]
-        buf = cache.buf
         shape = (self.hidden,)
         for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
             qkv = qkv_proj(F.rms_norm(x, shape, ln1, self.eps))  # [n, (h + 2kv) * d]
@@ -205,6 +204,20 @@ class LlamaDecoder:
             x = x + o_proj(att[0].transpose(0, 1).reshape(n, h * d))
             gate, up = gate_up_proj(F.rms_norm(x, shape, ln2, self.eps)).chunk(2, dim=-1)
             x = x + down_proj(F.silu(gate) * up)
+        return x
+
+    @torch.inference_mode()
+    def forward(self, cache: DecodeCache, token_ids: list[int], start: int, num_last: int | None = None) -> torch.Tensor:
+        """Feed ``token_ids`` at positions start.. into ``cache``; logits of the last ``num_last``
+        (default: all) of them, ``[num_last, vocab]``."""
+        n = len(token_ids)
+        end = start + n
+        self._reserve(cache, end)
+        x = self.embed[torch.tensor(token_ids)]  # [n, hidden]
+        rotary = self.rotary[start:end]  # [n, 1, d/2]
+        # Causal mask only when several tokens arrive at once (prefill / multi-token feed).
+        mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start) if n > 1 else None  # [n, end]
+        x = self.layers_forward(x, rotary, cache.buf, start, mask)
         if num_last is not None:
             x = x[-num_last:]
-        return self.lm_head(F.rms_norm(x, shape, self.final_norm, self.eps)).float()  # [rows, vocab]
+        return self.lm_head(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps)).float()  # [rows, vocab]

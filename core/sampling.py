@@ -20,8 +20,8 @@ MIN_TEMPERATURE = 1e-4
 class VerificationRule(str, enum.Enum):
     """How sampled draft tokens are checked (greedy needs neither: it is exact-match at the argmax).
 
-    REJECTION: Leviathan et al.'s rule (specdec.core.rejection): the target's distribution, the
-    highest acceptance; a seed reproduces the output only under the same speculation schedule.
+    REJECTION: Leviathan et al.'s rule (specdec.core.rejection): the target's distribution; a seed
+    reproduces the output only under the same speculation schedule.
     COUPLED: per-position Gumbel noise shared by drafter and verifier (specdec.core.coupled): every
     token is the one target-only sampling with that seed picks, whatever k, drafter or replica.
     """

@@ -58,8 +58,8 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--rule", choices=("coupled", "rejection"), default=None,
-                   help="how sampled drafts are verified (default: coupled when --seed is given: the same text "
-                        "whatever the speculation; rejection otherwise: the highest acceptance)")
+                   help="how sampled drafts are verified (default coupled: a seed gives the same text whatever "
+                        "the speculation; rejection: Leviathan et al.'s rule)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--drafter", default="model", help="model | ngram")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="fixed speculation length (default: adaptive)")
@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_rule(args) -> str:
-    """The --rule flag, else the server's default: coupled for a chosen seed, rejection otherwise."""
-    return args.rule or ("coupled" if args.seed is not None else "rejection")
+    """The --rule flag, else the server's default (coupled)."""
+    return args.rule or "coupled"
 
 
 def request_from_args(args) -> "GenerationRequest":

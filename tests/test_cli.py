@@ -116,6 +116,16 @@ def test_up_runs_three_processes_against_redis(tiny_pair, redis_url):
         assert len(reply.token_ids) == 10
         info = stub.GetSession(pb.GetSessionRequest(session_id=reply.session_id), timeout=10)
         assert list(info.output_token_ids) == list(reply.token_ids)
+        # Seed-exact: the same seed gives the same text through `specdec up` (adaptive k, model
+        # drafter) as in one process without speculation, and with another drafter and k.
+        seeded = ("--seed", "5", "--temperature", "0.8", "--top-p", "0.95", "--max-new-tokens", "12", "--json")
+        remote = specdec("generate", "def add(a, b):", "--server", address, *seeded)
+        assert remote.returncode == 0, remote.stderr
+        remote_ids = [int(t) for t in json.loads(remote.stdout)["token_ids"]]
+        for extra in (("-k", "0"), ("--drafter", "ngram", "-k", "3")):
+            local = specdec("generate", "def add(a, b):", "--target", target, "--draft", draft, *seeded, *extra)
+            assert local.returncode == 0, local.stderr
+            assert json.loads(local.stdout)["token_ids"] == remote_ids, f"seeded output changed with {extra}"
         # Three processes: the orchestrator and both workers are separate children of `up`.
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert len(children) == 3

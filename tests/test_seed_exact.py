@@ -105,7 +105,7 @@ async def test_coupled_output_is_target_only_coupled_sampling_over_grpc(tiny_pai
 
     async def one(ids, seed, sampling, k, drafter):
         req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW, drafter=drafter, speculation=policy_pb(k),
-                                 sampling=common_pb2.SamplingParams(seed=seed, **sampling))  # a seed given: coupled by default
+                                 sampling=common_pb2.SamplingParams(seed=seed, **sampling))  # rule unset: coupled by default
         return await cluster.stub.Generate(req, timeout=60)
 
     for prompt, ids, seed, sampling, expected in cases(tiny_pair):

@@ -26,17 +26,15 @@ _RULE_PB = {v: k for k, v in _RULE.items()}
 
 
 def sampling_from_pb(pb: common_pb2.SamplingParams, default_seed: int = 0) -> SamplingParams:
-    """Unset rule: coupled when the caller chose the seed (it then means this exact output), else rejection."""
+    """Unset rule: coupled (seed-exact; on the demo pair its acceptance is on par with the rejection rule's)."""
     if pb.rule != common_pb2.VERIFICATION_RULE_UNSPECIFIED and pb.rule not in _RULE:  # proto3 enums are open
         raise InvalidRequest(f"sampling.rule {pb.rule} is unknown: use VERIFICATION_RULE_REJECTION or VERIFICATION_RULE_COUPLED")
-    seed_given = pb.HasField("seed")
-    default_rule = VerificationRule.COUPLED if seed_given else VerificationRule.REJECTION
     return SamplingParams(
         temperature=pb.temperature,
         top_k=pb.top_k,
         top_p=pb.top_p if pb.top_p != 0 else 1.0,
-        seed=pb.seed if seed_given else default_seed,
-        rule=_RULE.get(pb.rule, default_rule),
+        seed=pb.seed if pb.HasField("seed") else default_seed,
+        rule=_RULE.get(pb.rule, VerificationRule.COUPLED),
     )
 
 
