@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hmac
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from specdec.core.errors import InvalidRequest, Overloaded
+from specdec.core.errors import InvalidRequest, Overloaded, SessionNotFound
 from specdec.core.sessions import SessionRecord, SessionStatus, SessionStore, SpecCounters, new_session_id, short_id
 from specdec.core.steps import SessionRun, SessionSpec, VerifyWorker, validate_prompt
 from specdec.orchestrator.detokenize import Detokenizer
@@ -65,6 +66,13 @@ class Orchestrator:
         self.store = store
         self.config = config
         self.running = 0
+
+    async def session(self, session_id: str, owner: str) -> SessionRecord:
+        """A session's record, for its owner only: anyone else is told it does not exist."""
+        record = await self.store.get(session_id)
+        if not hmac.compare_digest(str(record.params.get("owner", "")), owner):
+            raise SessionNotFound(f"no session {short_id(session_id)} for this key")
+        return record
 
     def tokenize(self, request: GenerationRequest) -> tuple[int, ...]:
         if request.prompt_ids is not None:
@@ -168,6 +176,7 @@ class Orchestrator:
 def _params_json(request: GenerationRequest, drafter: str) -> dict:
     s = request.sampling
     return {
+        "owner": request.owner,
         "max_new_tokens": request.max_new_tokens,
         "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "rule": s.rule.value},
         "seed_given": request.seed_given,

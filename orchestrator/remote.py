@@ -11,6 +11,7 @@ import grpc
 from specdec.core.errors import WorkerUnavailable
 from specdec.core.steps import SessionRun, StepCommit, WorkerInfo
 from specdec.rpc import wire
+from specdec.rpc.auth import call_metadata
 from specdec.rpc.server import CHANNEL_OPTIONS
 from specdec.rpc.status import raise_for
 from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
@@ -31,9 +32,10 @@ def _timeout(limit_s: float | None) -> float | None:
 class RemoteWorker:
     """GetWorkerStatus of a draft or target worker (``kind`` picks the stub)."""
 
-    def __init__(self, address: str, kind: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, kind: str, timeout_s: float = 30.0, service_token: str | None = None) -> None:
         self.address = address
         self._timeout = timeout_s
+        self._metadata = call_metadata(service_token)
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         stub = drafter_pb2_grpc.DrafterStub if kind == "draft" else verifier_pb2_grpc.VerifierStub
         self._stub = stub(self._channel)
@@ -41,7 +43,8 @@ class RemoteWorker:
 
     async def status(self) -> WorkerInfo:
         try:
-            reply = await self._stub.GetWorkerStatus(common_pb2.WorkerStatusRequest(), timeout=_timeout(self._timeout))
+            reply = await self._stub.GetWorkerStatus(common_pb2.WorkerStatusRequest(), timeout=_timeout(self._timeout),
+                                                     metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise_for(err, f"{self._name} at {self.address}")
         return wire.worker_info_from_pb(reply)
@@ -53,11 +56,11 @@ class RemoteWorker:
 class RemoteVerifyWorker(RemoteWorker):
     """The VerifyWorker protocol over the Verifier's Generate stream."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
-        super().__init__(address, "target", timeout_s)
+    def __init__(self, address: str, timeout_s: float = 30.0, service_token: str | None = None) -> None:
+        super().__init__(address, "target", timeout_s, service_token)
 
     async def run(self, run: SessionRun) -> AsyncIterator[StepCommit]:
-        call = self._stub.Generate(wire.run_to_pb(run), timeout=_timeout(None))
+        call = self._stub.Generate(wire.run_to_pb(run), timeout=_timeout(None), metadata=self._metadata)
         try:
             while True:
                 # A worker that stops answering is as good as gone: each step gets timeout_s.

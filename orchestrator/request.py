@@ -34,6 +34,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     drafter: str = ""
     policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
+    owner: str = ""  # who made the request (specdec.rpc.auth.principal of its API key); "" without keys
 
     def validate(self, config: OrchestratorConfig) -> None:
         if (self.prompt_text is None) == (self.prompt_ids is None):

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "models" / "demo"
 ENV_TARGET, ENV_DRAFT, ENV_REDIS = "SPECDEC_TARGET_MODEL", "SPECDEC_DRAFT_MODEL", "SPECDEC_REDIS_URL"
+# Secrets come from files or the environment, never from argv (which `ps` shows to everyone).
+ENV_API_KEY, ENV_API_KEYS_FILE, ENV_SERVICE_TOKEN = "SPECDEC_API_KEY", "SPECDEC_API_KEYS_FILE", "SPECDEC_SERVICE_TOKEN"
 PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
 
 
@@ -77,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
     gen.add_argument("--server", help="use a running orchestrator at HOST:PORT instead of this process")
+    gen.add_argument("--api-key-file", help=f"file holding the API key to send with --server (default: ${ENV_API_KEY})")
     _add_model_args(gen)
     _add_request_args(gen)
 
@@ -90,12 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-new-tokens-limit", type=int, default=2048)
     serve.add_argument("--max-concurrent-requests", type=int, default=64)
     serve.add_argument("--no-draft-model", action="store_true", help="draft role: serve only model-free drafters")
+    _add_auth_args(serve)
     _add_model_args(serve)
 
     up = sub.add_parser("up", help="start orchestrator, draft and target as separate local processes")
     up.add_argument("--redis-url", default=os.environ.get(ENV_REDIS, "redis://127.0.0.1:6379/0"))
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--base-port", type=int, default=PORTS["orchestrator"], help="orchestrator port; draft +1, target +2")
+    up.add_argument("--api-keys-file", default=os.environ.get(ENV_API_KEYS_FILE),
+                    help=f"client API keys, one per line (default ${ENV_API_KEYS_FILE}; none: the client API is open)")
     _add_model_args(up)
 
     bench = sub.add_parser("bench", help="target-only vs in-process vs distributed speculation, k = 1..8 and adaptive, one run")
@@ -110,9 +117,34 @@ def resolve_rule(args) -> str:
     return args.rule or "coupled"
 
 
+def _add_auth_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-keys-file", default=os.environ.get(ENV_API_KEYS_FILE),
+                   help=f"orchestrator: client API keys, one per line (default ${ENV_API_KEYS_FILE}; none: the client API is open)")
+    p.add_argument("--service-token-file",
+                   help=f"the deployment's service token: workers admit only callers holding it, orchestrators and "
+                        f"verifiers send it (default ${ENV_SERVICE_TOKEN}; none: internal hops are open)")
+
+
+def _secret(path: str | None, env: str) -> str | None:
+    if path:
+        return Path(path).read_text().strip() or None
+    return os.environ.get(env) or None
+
+
+def server_credentials(args) -> tuple["Credentials", str | None]:
+    """(what this server accepts, the service token it sends upstream)."""
+    from specdec.rpc.auth import Credentials
+
+    token = _secret(args.service_token_file, ENV_SERVICE_TOKEN)
+    if args.role == "orchestrator":
+        accepted = Credentials.from_file(args.api_keys_file) if args.api_keys_file else Credentials()
+    else:
+        accepted = Credentials((token,) if token else ())
+    return accepted, token
+
+
 def request_from_args(args) -> "GenerationRequest":
     from specdec.orchestrator.request import GenerationRequest
-    import secrets
 
     seed = args.seed if args.seed is not None else secrets.randbits(63)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, seed, VerificationRule(resolve_rule(args)))
@@ -187,15 +219,18 @@ async def _generate_remote(args) -> int:
                                               overlap=not args.no_overlap)
     req = pb.GenerateRequest(text=args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
                              drafter=args.drafter, speculation=policy)
+    from specdec.rpc.auth import call_metadata
+
+    metadata = call_metadata(_secret(args.api_key_file, ENV_API_KEY))
     async with grpc.aio.insecure_channel(args.server, options=CHANNEL_OPTIONS) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             if args.json:
                 from google.protobuf.json_format import MessageToJson
 
-                print(MessageToJson(await stub.Generate(req), preserving_proto_field_name=True))
+                print(MessageToJson(await stub.Generate(req, metadata=metadata), preserving_proto_field_name=True))
             else:
-                async for msg in stub.GenerateStream(req):
+                async for msg in stub.GenerateStream(req, metadata=metadata):
                     print(msg.text, end="", flush=True)
                 print()
         except grpc.aio.AioRpcError as err:
@@ -209,7 +244,8 @@ async def _serve(args) -> int:
     from specdec import roles
     from specdec.rpc.server import ServerConfig, serve_forever
 
-    server = ServerConfig(args.host, args.port if args.port is not None else PORTS[args.role])
+    accepted, token = server_credentials(args)
+    server = ServerConfig(args.host, args.port if args.port is not None else PORTS[args.role], credentials=accepted)
     if args.role == "draft":
         from specdec.draft.drafters import DraftConfig
 
@@ -222,13 +258,14 @@ async def _serve(args) -> int:
         from specdec.target.engine import TargetConfig
 
         config = TargetConfig(model_path(args.target, ENV_TARGET, "target"), threads=args.threads, fast_forward=not args.reference_forward)
-        running, _ = await roles.start_target(config, server)
+        running, _ = await roles.start_target(config, server, service_token=token)
     else:
         from specdec.orchestrator.request import OrchestratorConfig
 
         config = OrchestratorConfig(max_new_tokens_limit=args.max_new_tokens_limit, max_concurrent_requests=args.max_concurrent_requests)
         store = roles.make_store(args.redis_url, config.session_ttl_s)
-        upstreams = roles.Upstreams(args.drafter_address, args.verifier_address, model_path(args.target, ENV_TARGET, "target"))
+        upstreams = roles.Upstreams(args.drafter_address, args.verifier_address, model_path(args.target, ENV_TARGET, "target"),
+                                    service_token=token)
         running, _ = await roles.start_orchestrator(config, upstreams, store, server)
     print(f"specdec {args.role} serving on {running.address}", flush=True)
     await serve_forever(running, server.grace_s)
@@ -245,7 +282,11 @@ def _up(args) -> int:
     # otherwise, and OpenMP threads that sleep when idle instead of spinning on a core another
     # process needs (FINDINGS.md: spinning made a neighbour 20-100x slower).
     common += ["--threads", str(args.threads or 1)]
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    # A fresh service token per run, through the environment: only these three processes hold it.
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+           ENV_SERVICE_TOKEN: os.environ.get(ENV_SERVICE_TOKEN) or secrets.token_urlsafe(32)}
+    if args.api_keys_file:
+        env[ENV_API_KEYS_FILE] = str(Path(args.api_keys_file).resolve())
     if args.reference_forward:
         common += ["--reference-forward"]
     common += ["--draft-dtype", args.draft_dtype]

@@ -55,12 +55,13 @@ async def start_draft(config: DraftConfig, server: ServerConfig) -> tuple[Runnin
     return await start_server(server, servicer.register(engine), [servicer.SERVICE_NAME]), engine
 
 
-async def start_target(config: TargetConfig, server: ServerConfig,
-                       loop_config: LoopConfig = LoopConfig()) -> tuple[RunningServer, LocalVerifier]:
+async def start_target(config: TargetConfig, server: ServerConfig, loop_config: LoopConfig = LoopConfig(),
+                       service_token: str | None = None) -> tuple[RunningServer, LocalVerifier]:
+    """``service_token``: what the verifier shows the drafters it streams from."""
     from specdec.target import servicer
     from specdec.target.draft_client import DraftChannels, RemoteDraftLink
 
-    channels = DraftChannels()
+    channels = DraftChannels(service_token)
     engine = AsyncVerifierEngine(VerifierEngine.from_config(config))
     verifier = LocalVerifier(engine, lambda run: RemoteDraftLink(channels, run.drafter_address) if run.drafter_address else None,
                              loop_config)
@@ -73,6 +74,7 @@ class Upstreams:
     verifier_address: str
     tokenizer_path: str  # the target's tokenizer (usually the target model folder)
     timeout_s: float = 30.0
+    service_token: str | None = None  # shown to the workers, which admit only the deployment
 
 
 async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, store: SessionStore, server: ServerConfig,
@@ -82,15 +84,15 @@ async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, s
     from specdec.orchestrator import servicer
     from specdec.orchestrator.remote import RemoteVerifyWorker, RemoteWorker
 
-    drafter = RemoteWorker(upstreams.drafter_address, "draft", upstreams.timeout_s)
-    verifier = RemoteVerifyWorker(upstreams.verifier_address, upstreams.timeout_s)
+    drafter = RemoteWorker(upstreams.drafter_address, "draft", upstreams.timeout_s, upstreams.service_token)
+    verifier = RemoteVerifyWorker(upstreams.verifier_address, upstreams.timeout_s, upstreams.service_token)
     status = await _wait_for(verifier.status, wait_s, f"verifier at {upstreams.verifier_address}")
     draft_status = await _wait_for(drafter.status, wait_s, f"drafter at {upstreams.drafter_address}")
     await drafter.aclose()
     tokenizer = AutoTokenizer.from_pretrained(upstreams.tokenizer_path, local_files_only=True)
     info = TargetInfo(tokenizer, status.vocab_size, status.context_length, tokenizer.eos_token_id, draft_status.drafters)
     orch = Orchestrator(info, verifier, store, config, drafter_address=upstreams.drafter_address)
-    return await start_server(server, servicer.register(orch), [servicer.SERVICE_NAME]), orch
+    return await start_server(server, servicer.register(orch, server.credentials), [servicer.SERVICE_NAME]), orch
 
 
 async def _wait_for(probe, wait_s: float, what: str):

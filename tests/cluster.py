@@ -5,7 +5,7 @@ loop; only the process boundary is missing (tests/test_cli.py covers ``specdec u
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -15,6 +15,7 @@ from specdec.draft.drafters import DraftConfig
 from specdec.draft.engine import DraftEngine
 from specdec.orchestrator.loop import Orchestrator
 from specdec.orchestrator.request import OrchestratorConfig
+from specdec.rpc.auth import Credentials
 from specdec.rpc.server import RunningServer, ServerConfig
 from specdec.target.engine import TargetConfig
 from specdec.target.worker import LocalVerifier
@@ -46,12 +47,16 @@ class Cluster:
 
 
 async def start_cluster(target_path: str, draft_path: str, redis_url: str, prefix: str,
-                        config: OrchestratorConfig | None = None) -> Cluster:
-    draft_server, draft = await roles.start_draft(DraftConfig(draft_path, target_path), LOOPBACK)
-    target_server, target = await roles.start_target(TargetConfig(target_path), LOOPBACK)
+                        config: OrchestratorConfig | None = None, api_keys: tuple[str, ...] = (),
+                        service_token: str | None = None) -> Cluster:
+    """``api_keys``: the client API's keys; ``service_token``: the internal hops' (none: open)."""
+    internal = replace(LOOPBACK, credentials=Credentials((service_token,) if service_token else ()))
+    draft_server, draft = await roles.start_draft(DraftConfig(draft_path, target_path), internal)
+    target_server, target = await roles.start_target(TargetConfig(target_path), internal, service_token=service_token)
     store = RedisSessionStore.from_url(redis_url, prefix=prefix)
-    upstreams = roles.Upstreams(draft_server.address, target_server.address, target_path)
-    orch_server, orch = await roles.start_orchestrator(config or OrchestratorConfig(max_new_tokens_limit=256), upstreams, store, LOOPBACK)
+    upstreams = roles.Upstreams(draft_server.address, target_server.address, target_path, service_token=service_token)
+    orch_server, orch = await roles.start_orchestrator(config or OrchestratorConfig(max_new_tokens_limit=256), upstreams, store,
+                                                       replace(LOOPBACK, credentials=Credentials(api_keys)))
     channel = grpc.aio.insecure_channel(orch_server.address)
     return Cluster([draft_server, target_server, orch_server], draft, target, orch, store, orch_server.address, channel,
                    generation_pb2_grpc.GenerationStub(channel))

@@ -11,6 +11,7 @@ from specdec.core.errors import WorkerUnavailable
 from specdec.core.overlap import BlockInbox
 from specdec.core.steps import DraftBlock, SessionSpec, StepOutcome
 from specdec.rpc import wire
+from specdec.rpc.auth import call_metadata
 from specdec.rpc.server import CHANNEL_OPTIONS
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -20,8 +21,9 @@ log = logging.getLogger(__name__)
 class DraftChannels:
     """One channel per draft worker address, shared by every session of this verifier."""
 
-    def __init__(self) -> None:
+    def __init__(self, service_token: str | None = None) -> None:
         self._stubs: dict[str, tuple[grpc.aio.Channel, drafter_pb2_grpc.DrafterStub]] = {}
+        self.metadata = call_metadata(service_token)  # sent on every stream: drafters admit only the deployment
 
     def stub(self, address: str) -> drafter_pb2_grpc.DrafterStub:
         if address not in self._stubs:
@@ -39,6 +41,7 @@ class RemoteDraftLink:
     def __init__(self, channels: DraftChannels, address: str) -> None:
         self.address = address
         self._stub = channels.stub(address)
+        self._metadata = channels.metadata
         self._inbox = BlockInbox()
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._call = None
@@ -47,7 +50,7 @@ class RemoteDraftLink:
     async def open(self, spec: SessionSpec) -> None:
         # No reply to wait for: a drafter that refuses the session ends the stream with a status,
         # which the reader turns into a failed link (and the loop into plain decoding).
-        self._call = self._stub.Speculate()
+        self._call = self._stub.Speculate(metadata=self._metadata)
         self._outbox.put_nowait(drafter_pb2.SpeculateRequest(open=wire.spec_to_pb(spec)))
         self._tasks = [asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())]
 

@@ -9,11 +9,13 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from specdec.rpc.auth import BearerInterceptor, Credentials
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # raised on both ends on purpose: a long prompt's ids fit easily
@@ -24,6 +26,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port (tests)
     grace_s: float = 5.0
+    credentials: Credentials = field(default_factory=Credentials)  # accepted bearer secrets; empty: open
 
 
 CHANNEL_OPTIONS = [
@@ -46,7 +49,8 @@ class RunningServer:
 
 async def start_server(config: ServerConfig, register: Callable[[grpc.aio.Server], None], service_names: Sequence[str]) -> RunningServer:
     """Bind to exactly what the config says; register the role's servicers; turn health to SERVING."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    interceptors = [BearerInterceptor(config.credentials)] if config.credentials.required else []
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
