@@ -85,9 +85,10 @@ class Orchestrator:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         """Run one request, yielding a chunk per step. Frees worker sessions however it ends."""
         request.validate(self.config)
-        prompt_ids = self.tokenize(request)
         if self.running >= self.config.max_concurrent_requests:
             raise Overloaded(f"{self.running} requests running, the limit is {self.config.max_concurrent_requests}; retry later")
+        # Off the event loop: a long prompt's tokenizing must not stall every other stream.
+        prompt_ids = await asyncio.to_thread(self.tokenize, request)
         drafter_name = request.drafter or self.config.default_drafter
         if self.target.drafters and drafter_name not in self.target.drafters:
             raise InvalidRequest(f"unknown drafter {drafter_name!r}; this deployment serves {sorted(self.target.drafters)}")

@@ -19,6 +19,8 @@ class OrchestratorConfig:
     max_concurrent_requests: int = 64
     max_stop_sequences: int = 8
     max_stop_length: int = 64
+    max_prompt_bytes: int = 1 << 20  # checked before the prompt is tokenized
+    max_drafter_name_chars: int = 64
     session_ttl_s: float = 3600.0
 
 
@@ -41,6 +43,11 @@ class GenerationRequest:
             raise InvalidRequest("send the prompt as text or as token ids (exactly one)")
         if self.prompt_text is not None and not self.prompt_text:
             raise InvalidRequest("prompt is empty: send some text")
+        if self.prompt_text is not None and (len(self.prompt_text) > config.max_prompt_bytes
+                                             or len(self.prompt_text.encode("utf-8", "surrogatepass")) > config.max_prompt_bytes):
+            raise InvalidRequest(f"prompt text is over {config.max_prompt_bytes} bytes, this server's limit: send a shorter prompt")
+        if len(self.drafter) > config.max_drafter_name_chars:
+            raise InvalidRequest(f"drafter name is over {config.max_drafter_name_chars} characters: name a drafter this server serves")
         if self.prompt_ids is not None and not self.prompt_ids:
             raise InvalidRequest("prompt is empty: send at least one token id")
         if not 1 <= self.max_new_tokens <= config.max_new_tokens_limit:

@@ -75,6 +75,9 @@ BAD_REQUESTS: list[tuple[str, Callable[[], pb.GenerateRequest], str]] = [
     ("top-p-negative", lambda: req(temperature=1.0, top_p=-0.1), "top_p"),
     ("unknown-drafter", lambda: req(drafter="no-such-drafter"), "drafter"),
     ("unknown-verification-rule", lambda: req(temperature=1.0, rule=7), "sampling.rule"),
+    ("prompt-over-byte-cap", lambda: req(text="x" * ((1 << 20) + 1)), "bytes"),  # refused before tokenizing
+    ("prompt-over-byte-cap-multibyte", lambda: req(text="é" * ((1 << 19) + 1)), "bytes"),  # the cap is in bytes, not characters
+    ("drafter-name-too-long", lambda: req(drafter="m" * 65), "drafter name"),
     ("prompt-ids-fill-context", lambda: req(ids=[7] * CONTEXT), "context"),
     ("prompt-ids-over-context", lambda: req(ids=[7] * (CONTEXT + 50)), "context"),
     ("prompt-text-over-context", lambda: req(text=LONG_TEXT), "context"),
