@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.core.rejection import exact_match_verify
 from specdec.core.sampling import SamplingParams, probs_from_logits
 
 
@@ -105,9 +106,4 @@ def coupled_verify_one(draft_token_ids: tuple[int, ...], target_logprobs: torch.
     target_ids = coupled_token(target_logprobs, noise).tolist()  # [k+1]
     if len(target_ids) != len(draft_token_ids) + 1:
         raise ValueError(f"target_logprobs must have k+1 = {len(draft_token_ids) + 1} rows, got {len(target_ids)}")
-    accepted = 0
-    for draft, target in zip(draft_token_ids, target_ids):
-        if draft != target:
-            break
-        accepted += 1
-    return tuple(target_ids[: accepted + 1]), accepted
+    return exact_match_verify(draft_token_ids, target_ids)

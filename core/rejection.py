@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.core.kv import common_prefix_len
 from specdec.core.sampling import sample_from
 
 
@@ -87,6 +88,14 @@ def rejection_sample(
     return output_ids, num_accepted
 
 
+def exact_match_verify(draft_token_ids: tuple[int, ...], target_ids: list[int]) -> tuple[tuple[int, ...], int]:
+    """Verification by exact match against the target's own choices ``target_ids`` [k+1]: the draft
+    tokens up to the first that differs are accepted, then the target's token there. Returns (the
+    tokens to commit, num_accepted). Greedy and coupled verification are both this rule."""
+    accepted = common_prefix_len(draft_token_ids, target_ids[: len(draft_token_ids)])
+    return (*draft_token_ids[:accepted], target_ids[accepted]), accepted
+
+
 def greedy_verify(draft_token_ids: tuple[int, ...], logits: torch.Tensor) -> tuple[tuple[int, ...], int]:
     """The rejection rule at temperature 0, without building distributions: a draft token is accepted
     iff it is the target's argmax; the token after the accepted ones is the argmax there.
@@ -95,10 +104,4 @@ def greedy_verify(draft_token_ids: tuple[int, ...], logits: torch.Tensor) -> tup
     ``argmax`` and ``probs_from_logits`` agree), at a tenth of its cost per step
     (tests/test_rejection.py holds the two to the same output). ``logits``: [k+1, vocab].
     """
-    target_ids = logits.argmax(dim=-1).tolist()  # [k+1]
-    accepted = 0
-    for draft, target in zip(draft_token_ids, target_ids):
-        if draft != target:
-            break
-        accepted += 1
-    return (*draft_token_ids[:accepted], target_ids[accepted]), accepted
+    return exact_match_verify(draft_token_ids, logits.argmax(dim=-1).tolist())

@@ -54,3 +54,20 @@ async def test_stop_turns_health_not_serving_before_draining(cluster):
         except grpc.aio.AioRpcError as err:  # already past the grace period on a slow machine
             assert err.code() == grpc.StatusCode.UNAVAILABLE
         await stopping
+
+
+async def test_prompts_are_tokenized_off_the_event_loop(cluster, monkeypatch):
+    import threading
+
+    orch = cluster.orchestrator
+    seen = []
+    real = orch.tokenize
+
+    def recording(request):
+        seen.append(threading.current_thread())
+        return real(request)
+
+    monkeypatch.setattr(orch, "tokenize", recording)
+    reply = await cluster.stub.Generate(pb.GenerateRequest(text="def f():", max_new_tokens=2, drafter="ngram"), timeout=30)
+    assert len(reply.token_ids) == 2
+    assert seen and all(t is not threading.main_thread() for t in seen), "tokenizing ran on the event loop's thread"

@@ -60,6 +60,18 @@ async def test_client_api_refuses_missing_or_wrong_keys(locked, metadata, word):
     assert await locked.active_sessions() == (0, 0)
 
 
+async def test_secrets_never_reach_the_logs(locked, caplog):
+    import logging
+
+    with caplog.at_level(logging.DEBUG):
+        await locked.stub.Generate(request(), metadata=auth(ALICE), timeout=30)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await locked.stub.Generate(request(), metadata=auth(BOB[:-1]), timeout=10)
+    assert caplog.records, "nothing was logged: this test would not test anything"
+    for secret in (ALICE, BOB, BOB[:-1], TOKEN):
+        assert secret not in caplog.text
+
+
 async def test_a_session_belongs_to_the_key_that_made_it(locked):
     reply = await locked.stub.Generate(request(), metadata=auth(ALICE), timeout=30)
     assert len(reply.token_ids) == 6  # the deployment works end to end with keys and the service token

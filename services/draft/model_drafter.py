@@ -68,14 +68,21 @@ class ModelDraftSession:
         distributions = tuple(dists) if dists else None
         return DraftProposal(tuple(tokens), distributions, time.perf_counter_ns() - t0, tuple(alternatives))
 
-    def _pick(self, logits: torch.Tensor, position: int, num_alternatives: int) -> tuple[int, SparseDistribution | None, tuple[int, ...]]:
+    def _noise(self, positions: Sequence[int], vocab: int) -> torch.Tensor | None:
+        """The coupled rule's noise rows for these positions, [len(positions), vocab]; None unless coupled."""
+        return gumbel_noise(self._sampling.seed, positions, vocab) if self._sampling.coupled else None
+
+    def _pick(self, logits: torch.Tensor, position: int, num_alternatives: int,
+              noise: torch.Tensor | None = None) -> tuple[int, SparseDistribution | None, tuple[int, ...]]:
         """One draft token from one row of logits [vocab]: the token, its distribution (None: greedy), alternatives."""
         if self._sampling.greedy:
             token, dist, ranked = int(logits.argmax()), None, logits
         elif self._sampling.coupled:
             # The very noise row the verifier adds at this position: the draft is its own coupled
             # token, and no distribution needs to cross the wire.
-            ranked = processed_logprobs(logits, self._sampling) + gumbel_noise(self._sampling.seed, (position,), logits.shape[-1])[0]
+            if noise is None:
+                noise = self._noise((position,), logits.shape[-1])[0]
+            ranked = processed_logprobs(logits, self._sampling) + noise
             token, dist = int(ranked.argmax()), None
         else:
             ranked = probs_from_logits(logits, self._sampling)  # [vocab]
@@ -115,8 +122,10 @@ class ModelDraftSession:
             if step and interrupt is not None and interrupt():
                 break
             logits = batch.step(feed)  # [branches, vocab]
+            positions = [len(seq) + step for seq in sequences]
+            noise = self._noise(positions, logits.shape[-1])  # one block for every branch, or None
             for b, (tokens, dists, alts) in enumerate(rows):
-                token, dist, alt = self._pick(logits[b], len(sequences[b]) + step, num_alternatives)
+                token, dist, alt = self._pick(logits[b], positions[b], num_alternatives, None if noise is None else noise[b])
                 tokens.append(token)
                 if dist is not None:
                     dists.append(dist)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from specdec.core.kv import common_prefix_len
 from specdec.core.overlap import BlockBuffer, Predraft, could_continue, plan_predrafts
 from specdec.core.steps import DraftBlock, DraftProposal, StepOutcome, apply_outcome
 from specdec.draft.drafters import DraftSession
@@ -61,7 +62,7 @@ class SessionSpeculator:
         block = self._in_flight
         if block is not None and block.base_len == base and block.proposal.token_ids and outcome.token_ids:
             # The step committed its accepted drafts and then one token of its own.
-            accepted = min(_common_prefix(block.proposal.token_ids, outcome.token_ids), len(outcome.token_ids) - 1)
+            accepted = min(common_prefix_len(block.proposal.token_ids, outcome.token_ids), len(outcome.token_ids) - 1)
             rejected = int(accepted < len(block.proposal.token_ids))
             self.alpha = 0.9 * self.alpha + 0.1 * accepted / (accepted + rejected) if accepted + rejected else self.alpha
         self._set_in_flight(self._unused.take(self.committed))
@@ -122,12 +123,3 @@ class SessionSpeculator:
                 self._set_in_flight(block)  # the verifier, waiting for exactly this, takes it at once
             else:
                 self._unused.add(block)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -162,11 +162,10 @@ class VerifierLoop:
         timing = StepTiming(verify_s=outcome.verify_time_ns * 1e-9, wait_s=t_block - t0, step_s=t1 - t0,
                             draft_s=(block.proposal.draft_time_ns * 1e-9) if block is not None else 0.0, predrafted=predrafted)
         self.controller.observe(drafted, outcome.num_accepted, timing)
-        k_used = drafted
         if not finished:
             s.k = self._cap(self.controller.next_k())
             self._tell_drafter(outcome.token_ids)
-        return StepCommit(tokens, k_used, outcome.num_accepted, len(s.committed), outcome.verify_time_ns,
+        return StepCommit(tokens, drafted, outcome.num_accepted, len(s.committed), outcome.verify_time_ns,
                           int((t_block - t0) * 1e9), predrafted, finished)
 
     def _cut(self, token_ids: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
