@@ -34,9 +34,17 @@ class ModelNotFound(SpecdecError):
     """A model path is missing or holds no loadable model."""
 
 
+class UnsupportedModel(SpecdecError):
+    """A model the engine cannot serve exactly (e.g. a sliding-window cache that cannot roll back); refused at load."""
+
+
 class WorkerUnavailable(SpecdecError):
     """A draft or target worker could not be reached or did not answer in time (maps to UNAVAILABLE)."""
 
 
 class DeadlineExceeded(SpecdecError):
     """The request's deadline passed while it waited on a worker (maps to DEADLINE_EXCEEDED)."""
+
+
+class StoreUnavailable(SpecdecError):
+    """The session store (Redis) could not be reached or refused the write (maps to UNAVAILABLE)."""

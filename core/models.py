@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.core.errors import ModelMismatch, ModelNotFound
+from specdec.core.errors import ModelMismatch, ModelNotFound, UnsupportedModel
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,9 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, threads
     if threads:
         torch.set_num_threads(threads)
     try:
+        from transformers import AutoConfig
+
+        check_exact_rollback(AutoConfig.from_pretrained(folder, local_files_only=True), folder)
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -48,6 +51,27 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, threads
     context = int(getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length)
     vocab = int(model.get_output_embeddings().weight.shape[0])
     return LoadedModel(str(folder), model, tokenizer, vocab, context)
+
+
+def check_exact_rollback(config, folder: str | Path) -> None:
+    """Refuse, at load, a model whose cache cannot be cut back to any length exactly.
+
+    Speculation rolls the KV cache back after every rejection. A sliding-window layer that has
+    filled its window has already dropped the entries a rollback would need (HF's cache then refuses
+    to crop), and a recurrent layer (Mamba, linear attention) keeps no per-token state to cut.
+    A window as long as the context never slides, so it is fine."""
+    context = int(getattr(config, "max_position_embeddings", 0) or 0)
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) is not False and (not context or window < context):
+        raise UnsupportedModel(
+            f"model {folder} sets sliding_window={window} (config.json) below its context of {context} tokens: specdec "
+            "cannot roll a sliding-window cache back exactly once the window fills. Serve a model without a sliding window "
+            "(or, if it was trained with full attention, set sliding_window to null)")
+    # Sliding layers are covered by the window check above; anything else but full attention is recurrent.
+    recurrent = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
+    if recurrent:
+        raise UnsupportedModel(f"model {folder} has layer types {recurrent} (config.json layer_types): specdec serves only "
+                               "layers whose cache can be cut back to any length (full attention)")
 
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:

@@ -18,11 +18,16 @@ R = TypeVar("R")
 class Offload:
     def __init__(self, name: str, threaded: bool = True) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) if threaded else None
+        self.pending = 0  # calls submitted and not finished (the one running included): the queue depth
 
     async def __call__(self, fn: Callable[..., R], *args) -> R:
         if self._pool is None:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+        self.pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+        finally:
+            self.pending -= 1
 
     def shutdown(self) -> None:
         if self._pool is not None:

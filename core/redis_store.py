@@ -14,16 +14,18 @@ on read and anything corrupt or foreign raises CorruptRecord.
 """
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
 import re
 import time
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError, RedisError, ResponseError, TimeoutError as RedisTimeout
 
-from specdec.core.errors import CorruptRecord, InvalidRequest, SessionNotFound
+from specdec.core.errors import CorruptRecord, InvalidRequest, SessionNotFound, StoreUnavailable
 from specdec.core.sessions import (
     SessionRecord,
     SessionStatus,
@@ -90,6 +92,32 @@ return 1
 """
 
 
+log = logging.getLogger(__name__)
+
+
+def _store_errors(method):
+    """Redis down, slow or refusing writes (OOM, READONLY) is StoreUnavailable, never a stray redis error.
+
+    The caller (possibly a client) hears only that the store is unavailable; the address and Redis's
+    own words go to this process's log, for the operator."""
+
+    @functools.wraps(method)
+    async def wrapper(self, *args, **kwargs):
+        try:
+            return await method(self, *args, **kwargs)
+        except (RedisConnectionError, RedisTimeout, OSError) as exc:
+            log.warning("session store unreachable: %s", exc)
+            raise StoreUnavailable("the session store is unavailable (Redis unreachable); retry shortly") from None
+        except ResponseError as exc:
+            log.warning("session store refused a command: %s", exc)
+            raise StoreUnavailable("the session store refused the write; retry shortly") from None
+        except RedisError as exc:
+            log.warning("session store error: %r", exc)
+            raise StoreUnavailable("the session store failed; retry shortly") from None
+
+    return wrapper
+
+
 class RedisSessionStore:
     """Sessions in Redis under `prefix`, each expiring `ttl_s` after its last write.
 
@@ -131,6 +159,7 @@ class RedisSessionStore:
                 f"Redis key {self.session_key(session_id)!r} is not a version-{FORMAT_VERSION} specdec session"
             )
 
+    @_store_errors
     async def create(self, record: SessionRecord) -> None:
         check_record(record)
         fields = {
@@ -149,6 +178,7 @@ class RedisSessionStore:
         if not await self._create(keys=self._keys(record.session_id), args=args):
             raise InvalidRequest(f"session {record.session_id!r} already exists")
 
+    @_store_errors
     async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters,
                      step_ks: Sequence[int] = ()) -> None:
         if not isinstance(counters, SpecCounters):
@@ -157,11 +187,13 @@ class RedisSessionStore:
         args = [self._ttl_ms, FORMAT_VERSION, packed, counters_json, repr(time.time()), pack_ks(step_ks)]
         self._check_result(await self._commit(keys=self._keys(session_id), args=args), session_id)
 
+    @_store_errors
     async def finish(self, session_id: str, status: SessionStatus, finish_reason: str) -> None:
         check_finish(status, finish_reason)
         args = [self._ttl_ms, FORMAT_VERSION, status.value, finish_reason, repr(time.time())]
         self._check_result(await self._finish(keys=self._keys(session_id), args=args), session_id)
 
+    @_store_errors
     async def get(self, session_id: str) -> SessionRecord:
         key, out_key, k_key = self._keys(session_id)
         try:
@@ -182,6 +214,7 @@ class RedisSessionStore:
         except CorruptRecord as e:
             raise CorruptRecord(f"session {key!r} in Redis: {e}") from None
 
+    @_store_errors
     async def delete(self, session_id: str) -> None:
         await self._redis.delete(*self._keys(session_id))
 

@@ -49,6 +49,9 @@ class SessionTable(Generic[T]):
         item = self._items.get(session_id)
         return None if item is None else item[0]
 
+    def values(self) -> list[T]:
+        return [state for state, _ in self._items.values()]
+
     def ids(self) -> list[str]:
         return list(self._items)
 

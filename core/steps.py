@@ -20,6 +20,7 @@ from specdec.core.sampling import SamplingParams
 from specdec.core.speculation import SpeculationPolicy
 
 MAX_STEP_TOKENS = 65  # 64 draft tokens (the speculation length's cap) and the recovered or bonus token
+MAX_DISTRIBUTION_ENTRIES = 1024  # a draft token's sent distribution: its top-K (32 by default), never the vocabulary
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,15 @@ _FINISH = {
 
 
 def request_from_pb(msg: pb.GenerateRequest, config: OrchestratorConfig) -> GenerationRequest:
+    which = msg.WhichOneof("prompt")
+    # Sizes first, before anything is copied out of the message (the rest is checked in validate()).
+    if which == "token_ids" and len(msg.token_ids.ids) > config.max_prompt_token_ids:
+        raise InvalidRequest(f"the prompt has {len(msg.token_ids.ids)} token ids; this server takes at most "
+                             f"{config.max_prompt_token_ids}: send a shorter prompt")
+    if len(msg.stop) > config.max_stop_sequences:
+        raise InvalidRequest(f"at most {config.max_stop_sequences} stop sequences, got {len(msg.stop)}")
     seed_given = msg.sampling.HasField("seed")
     sampling = sampling_from_pb(msg.sampling, default_seed=secrets.randbits(63))
-    which = msg.WhichOneof("prompt")
     return GenerationRequest(
         prompt_text=msg.text if which == "text" else None,  # neither set: validate() asks for a prompt
         prompt_ids=tuple(msg.token_ids.ids) if which == "token_ids" else None,

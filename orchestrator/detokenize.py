@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# Byte-level tokens can straddle characters for a while (emoji sequences), so hold back generously; past this many
+# tokens the replacement character is shown. Bounds each step's decode, so it may run on the event loop.
+MAX_HELD_BACK_TOKENS = 32
+
 
 class Detokenizer:
     def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
@@ -32,7 +36,7 @@ class Detokenizer:
             # Decode from a few tokens back so byte-level merges across the boundary come out right.
             before = self._decode_ids(self._ids[self._prefix : self._read])
             after = self._decode_ids(self._ids[self._prefix :])
-            if flush or not after.endswith("\ufffd"):
+            if flush or not after.endswith("\ufffd") or len(self._ids) - self._read >= MAX_HELD_BACK_TOKENS:
                 self._text += after[len(before) :]
                 self._prefix, self._read = self._read, len(self._ids)
         return self._text

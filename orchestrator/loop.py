@@ -9,17 +9,22 @@ protocol (specdec.core.steps): in this process for ``specdec generate``, over gR
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import hmac
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specdec.core.errors import InvalidRequest, Overloaded, SessionNotFound
 from specdec.core.sessions import SessionRecord, SessionStatus, SessionStore, SpecCounters, new_session_id, short_id
 from specdec.core.steps import SessionRun, SessionSpec, VerifyWorker, validate_prompt
 from specdec.orchestrator.detokenize import Detokenizer
 from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
+
+if TYPE_CHECKING:
+    from specdec.metrics import OrchestratorMetrics
 
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 5.0
@@ -59,8 +64,9 @@ class TargetInfo:
 
 class Orchestrator:
     def __init__(self, target: TargetInfo, verifier: VerifyWorker, store: SessionStore, config: OrchestratorConfig,
-                 drafter_address: str = "") -> None:
+                 drafter_address: str = "", metrics: "OrchestratorMetrics | None" = None) -> None:
         self.target = target
+        self.metrics = metrics
         self.verifier = verifier
         self.drafter_address = drafter_address  # "" in one process: the verifier has its drafter at hand
         self.store = store
@@ -87,6 +93,19 @@ class Orchestrator:
         request.validate(self.config)
         if self.running >= self.config.max_concurrent_requests:
             raise Overloaded(f"{self.running} requests running, the limit is {self.config.max_concurrent_requests}; retry later")
+        timer = self.metrics.start_request() if self.metrics is not None else None
+        try:
+            # aclosing: when the client goes away, the inner generator's cleanup runs now, not at GC.
+            async with contextlib.aclosing(self._admitted(request)) as chunks:
+                async for chunk in chunks:
+                    if timer is not None:
+                        timer.tokens(len(chunk.token_ids))
+                    yield chunk
+        finally:
+            if timer is not None:
+                timer.finish()
+
+    async def _admitted(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         # Off the event loop: a long prompt's tokenizing must not stall every other stream.
         prompt_ids = await asyncio.to_thread(self.tokenize, request)
         drafter_name = request.drafter or self.config.default_drafter

@@ -12,7 +12,7 @@ from specdec.core.errors import WorkerUnavailable
 from specdec.core.steps import SessionRun, StepCommit, WorkerInfo
 from specdec.rpc import wire
 from specdec.rpc.auth import call_metadata
-from specdec.rpc.server import CHANNEL_OPTIONS
+from specdec.rpc.tls import TlsFiles, internal_channel
 from specdec.rpc.status import raise_for
 from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
@@ -32,11 +32,12 @@ def _timeout(limit_s: float | None) -> float | None:
 class RemoteWorker:
     """GetWorkerStatus of a draft or target worker (``kind`` picks the stub)."""
 
-    def __init__(self, address: str, kind: str, timeout_s: float = 30.0, service_token: str | None = None) -> None:
+    def __init__(self, address: str, kind: str, timeout_s: float = 30.0, service_token: str | None = None,
+                 tls: TlsFiles | None = None) -> None:
         self.address = address
         self._timeout = timeout_s
         self._metadata = call_metadata(service_token)
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = internal_channel(address, tls)
         stub = drafter_pb2_grpc.DrafterStub if kind == "draft" else verifier_pb2_grpc.VerifierStub
         self._stub = stub(self._channel)
         self._name = "Drafter" if kind == "draft" else "Verifier"
@@ -56,8 +57,9 @@ class RemoteWorker:
 class RemoteVerifyWorker(RemoteWorker):
     """The VerifyWorker protocol over the Verifier's Generate stream."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0, service_token: str | None = None) -> None:
-        super().__init__(address, "target", timeout_s, service_token)
+    def __init__(self, address: str, timeout_s: float = 30.0, service_token: str | None = None,
+                 tls: TlsFiles | None = None) -> None:
+        super().__init__(address, "target", timeout_s, service_token, tls)
 
     async def run(self, run: SessionRun) -> AsyncIterator[StepCommit]:
         call = self._stub.Generate(wire.run_to_pb(run), timeout=_timeout(None), metadata=self._metadata)

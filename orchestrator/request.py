@@ -18,7 +18,8 @@ class OrchestratorConfig:
     default_policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
     max_concurrent_requests: int = 64
     max_stop_sequences: int = 8
-    max_stop_length: int = 64
+    max_stop_length: int = 64  # bytes of UTF-8
+    max_prompt_token_ids: int = 1 << 18  # checked before the ids are copied out of the message
     max_prompt_bytes: int = 1 << 20  # checked before the prompt is tokenized
     max_drafter_name_chars: int = 64
     session_ttl_s: float = 3600.0
@@ -55,5 +56,6 @@ class GenerationRequest:
         if len(self.stop) > config.max_stop_sequences:
             raise InvalidRequest(f"at most {config.max_stop_sequences} stop sequences, got {len(self.stop)}")
         for s in self.stop:
-            if not 1 <= len(s) <= config.max_stop_length:
-                raise InvalidRequest(f"each stop sequence must have 1 to {config.max_stop_length} characters, got {len(s)}")
+            size = len(s.encode("utf-8", "surrogatepass")) if len(s) <= config.max_stop_length else len(s)
+            if not 1 <= size <= config.max_stop_length:
+                raise InvalidRequest(f"each stop sequence must be 1 to {config.max_stop_length} bytes of UTF-8, got {size}")

@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
     gen.add_argument("--server", help="use a running orchestrator at HOST:PORT instead of this process")
     gen.add_argument("--api-key-file", help=f"file holding the API key to send with --server (default: ${ENV_API_KEY})")
+    gen.add_argument("--tls-ca", help="with --server: connect with TLS, verifying the orchestrator against this PEM CA")
     _add_model_args(gen)
     _add_request_args(gen)
 
@@ -88,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("role", choices=["draft", "target", "orchestrator"])
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default: 50051 orchestrator, 50052 draft, 50053 target)")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics over HTTP at /metrics on this port (default: none)")
+    serve.add_argument("--health-port", type=int, default=None,
+                       help="also serve grpc.health.v1, and only it, in plaintext on this port (probes that cannot do TLS)")
     serve.add_argument("--drafter-address", default=f"127.0.0.1:{PORTS['draft']}")
     serve.add_argument("--verifier-address", default=f"127.0.0.1:{PORTS['target']}")
     serve.add_argument("--redis-url", default=os.environ.get(ENV_REDIS), help=f"session store (default ${ENV_REDIS}; none: in memory)")
@@ -95,7 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-concurrent-requests", type=int, default=64)
     serve.add_argument("--max-prompt-bytes", type=int, default=1 << 20, help="orchestrator: longest prompt text, checked before tokenizing")
     serve.add_argument("--no-draft-model", action="store_true", help="draft role: serve only model-free drafters")
+    serve.add_argument("--max-sessions", type=int, default=256, help="draft/target: sessions open at once on this worker")
+    serve.add_argument("--max-kv-tokens", type=int, default=None,
+                       help="target: KV budget over all sessions, in tokens; each reserves prompt + max_new_tokens "
+                            "(default: max-sessions full contexts)")
+    serve.add_argument("--max-session-tokens", type=int, default=1 << 16,
+                       help="draft: longest sequence one session may hold (the draft model's context caps it too)")
     _add_auth_args(serve)
+    _add_tls_args(serve)
     _add_model_args(serve)
 
     up = sub.add_parser("up", help="start orchestrator, draft and target as separate local processes")
@@ -104,7 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--base-port", type=int, default=PORTS["orchestrator"], help="orchestrator port; draft +1, target +2")
     up.add_argument("--api-keys-file", default=os.environ.get(ENV_API_KEYS_FILE),
                     help=f"client API keys, one per line (default ${ENV_API_KEYS_FILE}; none: the client API is open)")
+    up.add_argument("--tls", action="store_true",
+                    help="TLS on every hop (mutual between roles) with a development CA made for this run")
     _add_model_args(up)
+
+    certs = sub.add_parser("certs", help="make a development CA and a certificate for every role (TLS and mutual TLS)")
+    certs.add_argument("--out", required=True, help="folder to write ca.crt, ca.key, tls.crt, tls.key")
+    certs.add_argument("--name", action="append", default=[],
+                       help="DNS name or IP the roles are reached at (repeatable; localhost and 127.0.0.1 are always in)")
+    certs.add_argument("--days", type=int, default=30)
+
+    autoscale = sub.add_parser("autoscale", help="size the draft and target Deployments from the roles' measured load")
+    from specdec.autoscale.flags import add_arguments as add_autoscale_arguments
+
+    add_autoscale_arguments(autoscale)
 
     bench = sub.add_parser("bench", help="target-only vs in-process vs distributed speculation, k = 1..8 and adaptive, one run")
     from specdec.bench import add_arguments as add_bench_arguments
@@ -124,6 +149,22 @@ def _add_auth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--service-token-file",
                    help=f"the deployment's service token: workers admit only callers holding it, orchestrators and "
                         f"verifiers send it (default ${ENV_SERVICE_TOKEN}; none: internal hops are open)")
+
+
+def _add_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", help="PEM certificate: this role serves TLS with it, and shows it to the roles it calls")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", help="PEM CA of the deployment: workers admit only callers with a certificate it signed "
+                                    "(mutual TLS); callers verify the workers against it")
+
+
+def tls_files(args) -> "TlsFiles | None":
+    from specdec.rpc.tls import TlsFiles
+
+    try:
+        return TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _secret(path: str | None, env: str) -> str | None:
@@ -205,7 +246,7 @@ async def _generate_embedded(args) -> int:
 async def _generate_remote(args) -> int:
     import grpc
 
-    from specdec.rpc.server import CHANNEL_OPTIONS
+    from specdec.rpc.tls import client_tls, open_channel
     from specdec.v1 import common_pb2, generation_pb2 as pb, generation_pb2_grpc
     from specdec.v1.common_pb2 import SPECULATION_MODE_ADAPTIVE, SPECULATION_MODE_FIXED
 
@@ -223,7 +264,11 @@ async def _generate_remote(args) -> int:
     from specdec.rpc.auth import call_metadata
 
     metadata = call_metadata(_secret(args.api_key_file, ENV_API_KEY))
-    async with grpc.aio.insecure_channel(args.server, options=CHANNEL_OPTIONS) as channel:
+    try:
+        credentials = client_tls(args.tls_ca)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    async with open_channel(args.server, credentials) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             if args.json:
@@ -246,20 +291,34 @@ async def _serve(args) -> int:
     from specdec.rpc.server import ServerConfig, serve_forever
 
     accepted, token = server_credentials(args)
-    server = ServerConfig(args.host, args.port if args.port is not None else PORTS[args.role], credentials=accepted)
+    tls = tls_files(args)
+    registry = metrics_server = None
+    if args.metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+
+        from specdec.metrics import start_metrics_server
+
+        registry = CollectorRegistry()  # this process's own, never the global default
+        metrics_server = start_metrics_server(registry, args.host, args.metrics_port)
+    # Workers with a CA demand a client certificate; the client API authenticates by API key instead.
+    server = ServerConfig(args.host, args.port if args.port is not None else PORTS[args.role], credentials=accepted, tls=tls,
+                          require_client_cert=args.role != "orchestrator" and tls is not None and tls.ca_file is not None,
+                          health_port=args.health_port)
     if args.role == "draft":
         from specdec.draft.drafters import DraftConfig
 
         draft = None if args.no_draft_model else model_path(args.draft, ENV_DRAFT, "draft")
         target = args.target or os.environ.get(ENV_TARGET)
         config = DraftConfig(draft, target, threads=args.threads, fast_draft_forward=not args.reference_forward,
-                             draft_dtype=args.draft_dtype)
-        running, _ = await roles.start_draft(config, server)
+                             draft_dtype=args.draft_dtype, max_sessions=args.max_sessions,
+                             max_session_tokens=args.max_session_tokens)
+        running, _ = await roles.start_draft(config, server, registry)
     elif args.role == "target":
         from specdec.target.engine import TargetConfig
 
-        config = TargetConfig(model_path(args.target, ENV_TARGET, "target"), threads=args.threads, fast_forward=not args.reference_forward)
-        running, _ = await roles.start_target(config, server, service_token=token)
+        config = TargetConfig(model_path(args.target, ENV_TARGET, "target"), threads=args.threads, fast_forward=not args.reference_forward,
+                              max_sessions=args.max_sessions, max_kv_tokens=args.max_kv_tokens)
+        running, _ = await roles.start_target(config, server, service_token=token, registry=registry)
     else:
         from specdec.orchestrator.request import OrchestratorConfig
 
@@ -267,10 +326,12 @@ async def _serve(args) -> int:
                                     max_prompt_bytes=args.max_prompt_bytes)
         store = roles.make_store(args.redis_url, config.session_ttl_s)
         upstreams = roles.Upstreams(args.drafter_address, args.verifier_address, model_path(args.target, ENV_TARGET, "target"),
-                                    service_token=token)
-        running, _ = await roles.start_orchestrator(config, upstreams, store, server)
-    print(f"specdec {args.role} serving on {running.address}", flush=True)
-    await serve_forever(running, server.grace_s)
+                                    service_token=token, tls=tls)
+        running, _ = await roles.start_orchestrator(config, upstreams, store, server, registry=registry)
+    extra = "".join([f", health on {running.health_address}" if running.health_address else "",
+                     f", metrics on :{metrics_server.port}/metrics" if metrics_server else ""])
+    print(f"specdec {args.role} serving on {running.address}{extra}", flush=True)
+    await serve_forever(running, server.grace_s, on_stop=metrics_server.stop if metrics_server else None)
     return 0
 
 
@@ -292,6 +353,17 @@ def _up(args) -> int:
     if args.reference_forward:
         common += ["--reference-forward"]
     common += ["--draft-dtype", args.draft_dtype]
+    ca_file = tls_dir = None
+    if args.tls:
+        import tempfile
+
+        from specdec.rpc.certs import make_dev_certs
+
+        # A CA per run, like the token: nothing outside these processes (and the user) trusts it.
+        tls_dir = tempfile.mkdtemp(prefix="specdec-tls-")
+        paths = make_dev_certs(tls_dir, [args.host], days=1)
+        ca_file = str(paths["ca.crt"])
+        common += ["--tls-cert", str(paths["tls.crt"]), "--tls-key", str(paths["tls.key"]), "--tls-ca", ca_file]
     procs = {
         role: subprocess.Popen(common + [role, "--port", str(ports[role]),
                                          "--drafter-address", f"{args.host}:{ports['draft']}",
@@ -316,9 +388,11 @@ def _up(args) -> int:
             if dead:
                 print(f"specdec up: {', '.join(dead)} exited; stopping the others", file=sys.stderr)
                 break
-            if not ready and _healthy(f"{args.host}:{ports['orchestrator']}"):
+            if not ready and _healthy(f"{args.host}:{ports['orchestrator']}", ca_file):
                 ready = True
-                print(f"specdec up: ready. Try: specdec generate --server {args.host}:{ports['orchestrator']} \"def fib(n):\"", flush=True)
+                tls_hint = f" --tls-ca {ca_file}" if ca_file else ""
+                print(f"specdec up: ready. Try: specdec generate --server {args.host}:{ports['orchestrator']}{tls_hint} "
+                      f"\"def fib(n):\"", flush=True)
             time.sleep(0.2)
     finally:
         for p in procs.values():
@@ -329,14 +403,20 @@ def _up(args) -> int:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if tls_dir:
+            import shutil
+
+            shutil.rmtree(tls_dir, ignore_errors=True)
     return 0 if stopping else 1
 
 
-def _healthy(address: str) -> bool:
+def _healthy(address: str, ca_file: str | None = None) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(ca_file).read_bytes())) if ca_file
+               else grpc.insecure_channel(address))
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="specdec.v1.Generation"), timeout=0.5)
         except grpc.RpcError:
@@ -352,6 +432,17 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_generate_remote(args) if args.server else _generate_embedded(args))
         if args.command == "serve":
             return asyncio.run(_serve(args))
+        if args.command == "certs":
+            from specdec.rpc.certs import make_dev_certs
+
+            paths = make_dev_certs(args.out, args.name, args.days)
+            print(f"specdec certs: wrote {', '.join(str(p) for p in paths.values())}; serve with "
+                  f"--tls-cert {paths['tls.crt']} --tls-key {paths['tls.key']} --tls-ca {paths['ca.crt']}")
+            return 0
+        if args.command == "autoscale":
+            from specdec.autoscale.run import main as autoscale_main
+
+            return autoscale_main(args)
         if args.command == "bench":
             from specdec import bench
 

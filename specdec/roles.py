@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specdec.core.sessions import InMemorySessionStore, SessionStore
 from specdec.draft.drafters import DraftConfig
@@ -15,9 +16,13 @@ from specdec.draft.engine import DraftEngine
 from specdec.orchestrator.loop import Orchestrator, TargetInfo
 from specdec.orchestrator.request import OrchestratorConfig
 from specdec.rpc.server import RunningServer, ServerConfig, start_server
+from specdec.rpc.tls import TlsFiles
 from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
 from specdec.target.loop import LoopConfig
 from specdec.target.worker import LocalVerifier
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +53,28 @@ def embedded_engines(verifier: VerifierEngine, drafter: DraftEngine, config: Orc
     return Orchestrator(info, local, store or InMemorySessionStore(config.session_ttl_s), config)
 
 
-async def start_draft(config: DraftConfig, server: ServerConfig) -> tuple[RunningServer, DraftEngine]:
+async def start_draft(config: DraftConfig, server: ServerConfig,
+                      registry: "CollectorRegistry | None" = None) -> tuple[RunningServer, DraftEngine]:
+    """``registry``: where the drafter's Prometheus metrics go (None: none kept)."""
     from specdec.draft import servicer
+    from specdec.metrics import DrafterMetrics
 
-    engine = DraftEngine.from_config(config)
+    engine = DraftEngine.from_config(config, DrafterMetrics(registry) if registry is not None else None)
     return await start_server(server, servicer.register(engine), [servicer.SERVICE_NAME]), engine
 
 
 async def start_target(config: TargetConfig, server: ServerConfig, loop_config: LoopConfig = LoopConfig(),
-                       service_token: str | None = None) -> tuple[RunningServer, LocalVerifier]:
-    """``service_token``: what the verifier shows the drafters it streams from."""
+                       service_token: str | None = None,
+                       registry: "CollectorRegistry | None" = None) -> tuple[RunningServer, LocalVerifier]:
+    """``service_token``: what the verifier shows the drafters it streams from (with ``server.tls``: mutual TLS too)."""
     from specdec.target import servicer
     from specdec.target.draft_client import DraftChannels, RemoteDraftLink
 
-    channels = DraftChannels(service_token)
-    engine = AsyncVerifierEngine(VerifierEngine.from_config(config))
+    channels = DraftChannels(service_token, server.tls)
+    from specdec.metrics import VerifierMetrics
+
+    engine = AsyncVerifierEngine(VerifierEngine.from_config(config),
+                                 metrics=VerifierMetrics(registry) if registry is not None else None)
     verifier = LocalVerifier(engine, lambda run: RemoteDraftLink(channels, run.drafter_address) if run.drafter_address else None,
                              loop_config)
     return await start_server(server, servicer.register(verifier), [servicer.SERVICE_NAME]), verifier
@@ -75,23 +87,27 @@ class Upstreams:
     tokenizer_path: str  # the target's tokenizer (usually the target model folder)
     timeout_s: float = 30.0
     service_token: str | None = None  # shown to the workers, which admit only the deployment
+    tls: TlsFiles | None = None  # mutual TLS to the workers: our certificate, their CA
 
 
 async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, store: SessionStore, server: ServerConfig,
-                             wait_s: float = 60.0) -> tuple[RunningServer, Orchestrator]:
+                             wait_s: float = 60.0, registry: "CollectorRegistry | None" = None) -> tuple[RunningServer, Orchestrator]:
     from transformers import AutoTokenizer
 
     from specdec.orchestrator import servicer
     from specdec.orchestrator.remote import RemoteVerifyWorker, RemoteWorker
 
-    drafter = RemoteWorker(upstreams.drafter_address, "draft", upstreams.timeout_s, upstreams.service_token)
-    verifier = RemoteVerifyWorker(upstreams.verifier_address, upstreams.timeout_s, upstreams.service_token)
+    drafter = RemoteWorker(upstreams.drafter_address, "draft", upstreams.timeout_s, upstreams.service_token, upstreams.tls)
+    verifier = RemoteVerifyWorker(upstreams.verifier_address, upstreams.timeout_s, upstreams.service_token, upstreams.tls)
     status = await _wait_for(verifier.status, wait_s, f"verifier at {upstreams.verifier_address}")
     draft_status = await _wait_for(drafter.status, wait_s, f"drafter at {upstreams.drafter_address}")
     await drafter.aclose()
     tokenizer = AutoTokenizer.from_pretrained(upstreams.tokenizer_path, local_files_only=True)
     info = TargetInfo(tokenizer, status.vocab_size, status.context_length, tokenizer.eos_token_id, draft_status.drafters)
-    orch = Orchestrator(info, verifier, store, config, drafter_address=upstreams.drafter_address)
+    from specdec.metrics import OrchestratorMetrics
+
+    orch = Orchestrator(info, verifier, store, config, drafter_address=upstreams.drafter_address,
+                        metrics=OrchestratorMetrics(registry) if registry is not None else None)
     return await start_server(server, servicer.register(orch, server.credentials), [servicer.SERVICE_NAME]), orch
 
 

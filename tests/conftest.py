@@ -35,6 +35,8 @@ from pathlib import Path  # noqa: E402
 import pytest_asyncio  # noqa: E402
 
 from cluster import Cluster, start_cluster  # noqa: E402
+from specdec.rpc.certs import make_dev_certs  # noqa: E402
+from specdec.rpc.tls import TlsFiles  # noqa: E402
 from tiny_models import build_model, build_tokenizer  # noqa: E402
 
 
@@ -49,21 +51,29 @@ def tiny_pair() -> Iterator[tuple[str, str]]:
         yield str(target), str(draft)
 
 
+@pytest.fixture(scope="session")
+def dev_tls() -> Iterator[TlsFiles]:
+    """A development CA and certificate (``specdec certs``) for TLS on every hop of the test clusters."""
+    with tempfile.TemporaryDirectory(prefix="specdec-tls-") as tmp:
+        paths = make_dev_certs(tmp)
+        yield TlsFiles(str(paths["tls.crt"]), str(paths["tls.key"]), str(paths["ca.crt"]))
+
+
 @pytest_asyncio.fixture(scope="session")
-async def cluster(tiny_pair, redis_url) -> Cluster:
-    """Drafter, verifier and orchestrator gRPC servers on loopback, sessions in Redis."""
+async def cluster(tiny_pair, redis_url, dev_tls) -> Cluster:
+    """Drafter, verifier and orchestrator gRPC servers on loopback, sessions in Redis, TLS on every hop."""
     target, draft = tiny_pair
-    c = await start_cluster(target, draft, redis_url, prefix=f"specdec-test-{uuid.uuid4().hex[:8]}")
+    c = await start_cluster(target, draft, redis_url, prefix=f"specdec-test-{uuid.uuid4().hex[:8]}", tls=dev_tls)
     yield c
     await c.stop()
     delete_prefix(redis_url, c.store._prefix)
 
 
 @pytest_asyncio.fixture(scope="session")
-async def twin_cluster(tiny_pair, redis_url) -> Cluster:
+async def twin_cluster(tiny_pair, redis_url, dev_tls) -> Cluster:
     """As ``cluster``, but the draft model is the target itself."""
     target, _ = tiny_pair
-    c = await start_cluster(target, target, redis_url, prefix=f"specdec-test-{uuid.uuid4().hex[:8]}")
+    c = await start_cluster(target, target, redis_url, prefix=f"specdec-test-{uuid.uuid4().hex[:8]}", tls=dev_tls)
     yield c
     await c.stop()
     delete_prefix(redis_url, c.store._prefix)

@@ -71,3 +71,55 @@ async def test_prompts_are_tokenized_off_the_event_loop(cluster, monkeypatch):
     reply = await cluster.stub.Generate(pb.GenerateRequest(text="def f():", max_new_tokens=2, drafter="ngram"), timeout=30)
     assert len(reply.token_ids) == 2
     assert seen and all(t is not threading.main_thread() for t in seen), "tokenizing ran on the event loop's thread"
+
+
+# ----------------------------------------------------------------------------- per-worker memory caps
+
+
+def test_verifier_kv_budget_refuses_what_does_not_fit_and_frees_on_close(tiny_pair):
+    import secrets
+
+    from specdec.core.errors import Overloaded
+    from specdec.core.sampling import SamplingParams
+    from specdec.core.steps import SessionSpec
+    from specdec.target.engine import TargetConfig, VerifierEngine
+
+    engine = VerifierEngine.from_config(TargetConfig(tiny_pair[0], max_kv_tokens=100))
+    spec = lambda: SessionSpec(secrets.token_hex(16), (1, 2, 3, 4), SamplingParams(seed=1), "ngram")  # noqa: E731
+    first = spec()
+    engine.open(first, max_new_tokens=60)  # reserves 64 of 100
+    refused = spec()
+    with pytest.raises(Overloaded, match="KV budget is 100 tokens and 64 are reserved") as err:
+        engine.open(refused, max_new_tokens=40)  # 44 more would make 108
+    assert "fewer tokens" in str(err.value)
+    assert len(engine.sessions) == 1 and engine.kv_reserved_tokens() == 64  # the refusal changed nothing
+    engine.open(spec(), max_new_tokens=30)  # 34 fits beside the first
+    engine.close(first.session_id)
+    engine.open(refused, max_new_tokens=40)  # the first's reservation is free again
+    assert engine.kv_reserved_tokens() == 34 + 44
+
+
+def test_model_free_drafter_keeps_at_most_its_session_cap():
+    import queue
+    import secrets
+
+    from specdec.core.errors import InvalidRequest
+    from specdec.core.sampling import SamplingParams
+    from specdec.core.steps import SessionSpec, StepOutcome
+    from specdec.draft.drafters import DraftConfig
+    from specdec.draft.engine import DraftEngine
+    from specdec.draft.ngram import NgramDrafter
+
+    engine = DraftEngine({"ngram": NgramDrafter(3, 1)}, DraftConfig(max_session_tokens=8))
+    sid = secrets.token_hex(16)
+    try:
+        with pytest.raises(InvalidRequest, match="context"):  # a prompt over the cap is refused at open
+            engine.open(SessionSpec(secrets.token_hex(16), tuple(range(9)), SamplingParams(seed=1), "ngram"), print)
+        engine.open(SessionSpec(sid, (1, 2, 3, 4, 5), SamplingParams(seed=1), "ngram"), queue.Queue().put).result(timeout=10)
+        engine.outcome(sid, StepOutcome(7, (1, 2), 0, False))
+        with pytest.raises(InvalidRequest, match="at most 8 per session"):
+            engine.outcome(sid, StepOutcome(9, (3, 4), 0, False))
+        assert engine.sessions.get(sid).committed == [1, 2, 3, 4, 5, 1, 2]  # the refused outcome changed nothing
+    finally:
+        engine.close(sid)
+        engine.shutdown()

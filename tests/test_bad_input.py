@@ -42,6 +42,7 @@ PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 VOCAB = 384  # tests/tiny_models.VOCAB; checked against the verifier in test_tiny_model_limits
 CONTEXT = 256  # tiny models' max_position_embeddings
 LIMIT = 256  # the cluster's max_new_tokens_limit (tests/cluster.py)
+REPLY_BOUND_S = 5.0  # a refusal comes back at once: no model work, no waiting on a worker
 
 
 def req(*, text: str | None = "def f():", ids: list[int] | None = None, max_new: int = 4, fixed_k: int | None = 2,
@@ -133,10 +134,13 @@ async def test_valid_baseline_request_succeeds(cluster):
 @pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
 @pytest.mark.parametrize("make, word", [pytest.param(m, w, id=i) for i, m, w in BAD_REQUESTS])
 async def test_bad_request_is_invalid_argument(cluster, method, make, word):
+    started = asyncio.get_running_loop().time()
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call(cluster.stub, method, make())
     assert info.value.code() == INVALID, info.value.details()
     assert word in info.value.details(), info.value.details()
+    assert asyncio.get_running_loop().time() - started < REPLY_BOUND_S
+    assert await cluster.active_sessions() == (0, 0), "a refused request opened a session on a worker"
 
 
 async def test_prompt_one_token_short_of_context_is_accepted(cluster):
@@ -170,8 +174,8 @@ N = len(PROMPT)
 @pytest_asyncio.fixture
 async def hops(cluster):
     """Stubs on the draft (cluster.servers[0]) and target (cluster.servers[1]) workers themselves."""
-    draft_channel = grpc.aio.insecure_channel(cluster.servers[0].address)
-    target_channel = grpc.aio.insecure_channel(cluster.servers[1].address)
+    draft_channel = cluster.worker_channel(cluster.servers[0].address)
+    target_channel = cluster.worker_channel(cluster.servers[1].address)
     yield drafter_pb2_grpc.DrafterStub(draft_channel), verifier_pb2_grpc.VerifierStub(target_channel)
     await draft_channel.close()
     await target_channel.close()
@@ -186,10 +190,12 @@ def open_request(session_id: str | None = None, drafter: str = "ngram", prompt: 
 
 
 async def expect(code: grpc.StatusCode, word: str, coro) -> None:
+    started = asyncio.get_running_loop().time()
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await coro
     assert info.value.code() == code, f"{info.value.code()}: {info.value.details()}"
     assert word in info.value.details(), info.value.details()
+    assert asyncio.get_running_loop().time() - started < REPLY_BOUND_S
 
 
 async def drain(call) -> list:
@@ -502,3 +508,20 @@ async def test_bad_blocks_do_not_fail_the_request(tiny_pair, verifier_engine, pr
 async def test_no_session_leaked(cluster):
     """Runs last in this module: every failed request and every directly opened session was closed."""
     assert await wait_for_no_sessions(cluster) == (0, 0)
+
+
+@pytest.mark.parametrize("block, word", [
+    (drafter_pb2.DraftBlock(anchor_len=5, draft_token_ids=[1] * 66), "at most 65 draft"),
+    (drafter_pb2.DraftBlock(anchor_len=5, assumed_ids=[1] * 66, draft_token_ids=[1]), "assumed"),
+    (drafter_pb2.DraftBlock(anchor_len=5, draft_token_ids=[1], draft_distributions=[
+        common_pb2.DraftDistribution(token_ids=list(range(1025)), probs=[1 / 1025] * 1025)]), "1024 entries"),
+    (drafter_pb2.DraftBlock(anchor_len=5, draft_token_ids=[1], draft_distributions=[
+        common_pb2.DraftDistribution(token_ids=[1], probs=[1.0])] * 2), "one distribution per draft token"),
+], ids=["too-many-drafts", "too-many-assumed", "distribution-too-wide", "more-distributions-than-drafts"])
+def test_an_oversized_draft_block_is_refused_before_it_is_copied(block, word):
+    """What a verifier takes from a drafter is bounded too: a bad block fails the link (the verifier
+    then decodes alone, tests/test_worker_failure.py), never the verifier."""
+    from specdec.rpc import wire
+
+    with pytest.raises(InvalidRequest, match=word):
+        wire.block_from_pb(block)

@@ -139,8 +139,10 @@ def test_up_runs_three_processes_against_redis(tiny_pair, redis_url):
 async def test_servers_offer_health_and_reflection(cluster):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    for server, service in zip(cluster.servers, ["specdec.v1.Drafter", "specdec.v1.Verifier", "specdec.v1.Generation"]):
-        async with grpc.aio.insecure_channel(server.address) as channel:
+    channels = [cluster.worker_channel(cluster.servers[0].address), cluster.worker_channel(cluster.servers[1].address),
+                cluster.client_channel()]
+    for channel, service in zip(channels, ["specdec.v1.Drafter", "specdec.v1.Verifier", "specdec.v1.Generation"]):
+        async with channel:
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)

@@ -163,3 +163,18 @@ def test_no_stop_strings_finish_flushes_nothing_more_than_the_rest(tok):
     shown = "".join(detok.add([t]) for t in ids)
     assert shown + detok.finish() == TEXTS[0]
     assert detok.finish() == ""  # a second call adds nothing
+
+
+def test_bytes_that_never_complete_a_character_are_not_held_back_forever(tok):
+    """A model emitting lone continuation bytes (junk UTF-8) must not make every step decode a growing
+    tail: after MAX_HELD_BACK_TOKENS the replacement character is shown and decoding moves on."""
+    from specdec.orchestrator.detokenize import MAX_HELD_BACK_TOKENS
+
+    lone = encode(tok, "é")[-1:]  # é is two bytes; its last token alone is a continuation byte
+    assert tok.decode(lone) == REPLACEMENT
+    detok = Detokenizer(tok)
+    shown = ""
+    for i in range(3 * MAX_HELD_BACK_TOKENS):
+        shown += detok.add(lone)
+        assert len(detok._ids) - detok._read < MAX_HELD_BACK_TOKENS  # what the next step decodes stays bounded
+    assert REPLACEMENT in shown and detok.finish() is not None

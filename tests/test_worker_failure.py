@@ -74,7 +74,7 @@ async def test_unreachable_drafter_costs_only_speed(cluster, tiny_pair):
 
 async def test_drafter_killed_mid_request_costs_only_speed(cluster, tiny_pair):
     target_path, draft_path = tiny_pair
-    server, engine = await roles.start_draft(DraftConfig(draft_path, target_path), LOOPBACK)
+    server, engine = await roles.start_draft(DraftConfig(draft_path, target_path), cluster.worker_server())
     live = cluster.orchestrator
     orch = Orchestrator(live.target, live.verifier, cluster.store, live.config, drafter_address=server.address)
     ids: list[int] = []

@@ -45,6 +45,9 @@ class DraftConfig:
     ngram_max: int = 3
     ngram_min: int = 1
     max_sessions: int = 256
+    # Longest sequence a session may hold: the draft model's context caps it too; for model-free
+    # drafters (n-gram) this is the only bound on what a session keeps.
+    max_session_tokens: int = 1 << 16
     idle_timeout_s: float = 300.0
     threads: int | None = None
     thread_nice: int = 10  # niceness of the draft thread: yields cores to a verifier and event loops sharing them
@@ -76,4 +79,4 @@ def pick(drafters: dict[str, Drafter], name: str) -> Drafter:
     try:
         return drafters[name]
     except KeyError:
-        raise InvalidRequest(f"unknown drafter {name!r}; this worker serves {sorted(drafters)}") from None
+        raise InvalidRequest(f"unknown drafter {name[:64]!r}; this worker serves {sorted(drafters)}") from None

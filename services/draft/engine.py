@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from specdec.core.session_table import SessionTable
 from specdec.core.sessions import check_session_id
@@ -23,33 +24,40 @@ from specdec.core.steps import DraftBlock, SessionSpec, StepOutcome, WorkerInfo,
 from specdec.draft.drafters import DraftConfig, Drafter, build_drafters, pick
 from specdec.draft.speculator import NUM_ALTERNATIVES, SessionSpeculator, Work
 
+if TYPE_CHECKING:
+    from specdec.metrics import DrafterMetrics
+
 log = logging.getLogger(__name__)
 Emit = Callable[[DraftBlock], None]
 
 
 class DraftEngine:
-    def __init__(self, drafters: dict[str, Drafter], config: DraftConfig, context_length: int = 1 << 20) -> None:
+    def __init__(self, drafters: dict[str, Drafter], config: DraftConfig, context_length: int | None = None,
+                 metrics: "DrafterMetrics | None" = None) -> None:
         if not drafters:
             raise ValueError("a draft worker needs at least one drafter")
         self.drafters = drafters
         self.config = config
-        self.context_length = context_length
+        self.context_length = min(context_length or config.max_session_tokens, config.max_session_tokens)
         self.sessions: SessionTable[SessionSpeculator] = SessionTable(config.max_sessions, config.idle_timeout_s)
         self._lock = threading.Condition()
         self._opens: collections.deque[tuple[SessionSpec, Emit, Future]] = collections.deque()
         self._opening: set[str] = set()  # queued or prefilling; closing one of these abandons it
         self._turn = 0  # round-robin position over sessions for pre-drafts
         self._stopped = False
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch(sessions=lambda: len(self.sessions))
         self._thread = threading.Thread(target=self._serve, name="draft", daemon=True)
         self._thread.start()
         atexit.register(self.shutdown)  # a model thread still alive at interpreter exit can abort it
 
     @classmethod
-    def from_config(cls, config: DraftConfig) -> "DraftEngine":
+    def from_config(cls, config: DraftConfig, metrics: "DrafterMetrics | None" = None) -> "DraftEngine":
         drafters = build_drafters(config)
         models = [d.loaded for d in drafters.values() if hasattr(d, "loaded")]
-        context = min((m.context_length for m in models), default=1 << 20)
-        return cls(drafters, config, context)
+        context = min((m.context_length for m in models), default=None)
+        return cls(drafters, config, context, metrics)
 
     # ------------------------------------------------------------------ called from any thread
     def open(self, spec: SessionSpec, emit: Emit) -> Future:
@@ -114,7 +122,11 @@ class DraftEngine:
                 if self._stopped:
                     return
             try:
-                job()
+                if self.metrics is None:
+                    job()
+                else:
+                    with self.metrics.busy():
+                        job()
             except Exception:  # a bug in one session's drafting must not stop every session's
                 log.exception("draft job failed")
 
@@ -171,6 +183,8 @@ class DraftEngine:
             proposals = session.propose_branches(work.sequences, work.num_tokens, NUM_ALTERNATIVES, interrupt)
         if proposals is None:
             proposals = [session.propose(seq, work.num_tokens, NUM_ALTERNATIVES, interrupt) for seq in work.sequences]
+        if self.metrics is not None:  # every branch cost draft forwards, used or not
+            self.metrics.observe_drafted(sum(len(p.token_ids) for p in proposals if p is not None))
         with self._lock:
             if self.sessions.peek(session_id) is speculator:  # not closed while it drafted
                 speculator.finish(work, proposals)

@@ -9,7 +9,7 @@ import grpc
 from specdec.core.errors import InvalidRequest, SpecdecError
 from specdec.draft.engine import DraftEngine
 from specdec.rpc import wire
-from specdec.rpc.status import rpc_errors, status_for
+from specdec.rpc.status import abort_for, rpc_errors
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -30,7 +30,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         try:
             spec = wire.spec_from_pb(first.open)
         except SpecdecError as exc:  # e.g. bad sampling parameters
-            await context.abort(status_for(exc), str(exc))
+            await abort_for(context, exc)
         out: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         reader = None
@@ -39,14 +39,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 opened = self.engine.open(spec, lambda block: loop.call_soon_threadsafe(out.put_nowait, block))
                 await asyncio.wrap_future(opened)
             except SpecdecError as exc:
-                await context.abort(status_for(exc), str(exc))
+                await abort_for(context, exc)
             reader = asyncio.ensure_future(self._read(request_iterator, spec.session_id, out))
             while True:
                 item = await out.get()
                 if item is _END:
                     return
                 if isinstance(item, SpecdecError):
-                    await context.abort(status_for(item), str(item))
+                    await abort_for(context, item)
                 yield wire.block_to_pb(item)
         finally:
             self.engine.close(spec.session_id)

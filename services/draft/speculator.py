@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from specdec.core.errors import InvalidRequest
 from specdec.core.kv import common_prefix_len
 from specdec.core.overlap import BlockBuffer, Predraft, could_continue, plan_predrafts
 from specdec.core.steps import DraftBlock, DraftProposal, StepOutcome, apply_outcome
@@ -54,6 +55,9 @@ class SessionSpeculator:
 
     def on_outcome(self, outcome: StepOutcome) -> None:
         """Apply a step's outcome (validated first: nothing changes on error), then re-plan."""
+        if outcome.committed_len > self.context_length:
+            raise InvalidRequest(f"the outcome would make the session {outcome.committed_len} tokens long; this drafter "
+                                 f"keeps at most {self.context_length} per session")
         base = outcome.committed_len - len(outcome.token_ids)
         apply_outcome(self.committed, outcome, self.vocab_size)
         self.k, self.overlap = outcome.num_speculative_tokens, outcome.overlap

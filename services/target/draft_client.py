@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 import grpc
 
-from specdec.core.errors import WorkerUnavailable
+from specdec.core.errors import SpecdecError, WorkerUnavailable
 from specdec.core.overlap import BlockInbox
 from specdec.core.steps import DraftBlock, SessionSpec, StepOutcome
 from specdec.rpc import wire
 from specdec.rpc.auth import call_metadata
-from specdec.rpc.server import CHANNEL_OPTIONS
+from specdec.rpc.tls import TlsFiles, internal_channel
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -21,13 +21,14 @@ log = logging.getLogger(__name__)
 class DraftChannels:
     """One channel per draft worker address, shared by every session of this verifier."""
 
-    def __init__(self, service_token: str | None = None) -> None:
+    def __init__(self, service_token: str | None = None, tls: TlsFiles | None = None) -> None:
         self._stubs: dict[str, tuple[grpc.aio.Channel, drafter_pb2_grpc.DrafterStub]] = {}
         self.metadata = call_metadata(service_token)  # sent on every stream: drafters admit only the deployment
+        self._tls = tls  # mutual TLS: our certificate is how a drafter with a CA knows us
 
     def stub(self, address: str) -> drafter_pb2_grpc.DrafterStub:
         if address not in self._stubs:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = internal_channel(address, self._tls)
             self._stubs[address] = (channel, drafter_pb2_grpc.DrafterStub(channel))
         return self._stubs[address][1]
 
@@ -85,6 +86,10 @@ class RemoteDraftLink:
             async for msg in self._call:
                 self._inbox.add(wire.block_from_pb(msg))
             self._inbox.fail(WorkerUnavailable(f"drafter at {self.address} ended the stream"))
+        except SpecdecError as exc:  # an oversized block: this drafter is not to be trusted for the session
+            log.warning("drafter at %s sent a bad block: %s", self.address, exc)
+            self._call.cancel()
+            self._inbox.fail(WorkerUnavailable(f"drafter at {self.address} sent a bad block: {exc}"))
         except grpc.aio.AioRpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
                 log.warning("drafter at %s: %s: %s", self.address, err.code().name, err.details())

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.core import rng
+from specdec.core.errors import Overloaded
 from specdec.core.kv import KVSequence
 from specdec.core.llama_decode import PACK_ROWS, LlamaDecoder, supports
 from specdec.core.models import LoadedModel, load_causal_lm
@@ -17,6 +19,9 @@ from specdec.core.sampling import SamplingParams, probs_from_logits
 from specdec.core.session_table import SessionTable
 from specdec.core.sessions import check_session_id
 from specdec.core.steps import DraftProposal, SessionSpec, VerifyOutcome, WorkerInfo, check_room, dense_draft_probs, validate_prompt
+
+if TYPE_CHECKING:
+    from specdec.metrics import VerifierMetrics
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,10 @@ class TargetConfig:
     # reference HF forward. Either way the verifier's forward defines the target distribution.
     fast_forward: bool = True
     pack_rows: int = PACK_ROWS
+    # KV memory budget in tokens over all sessions (None: max_sessions full contexts). A session
+    # reserves prompt + max_new_tokens (at most the context) when it opens, so one admitted never
+    # runs out mid-stream; one that does not fit is refused with RESOURCE_EXHAUSTED.
+    max_kv_tokens: int | None = None
 
 
 @dataclass
@@ -37,6 +46,7 @@ class _Session:
     kv: KVSequence
     committed: list[int]
     sampling: SamplingParams
+    reserved_tokens: int  # of the worker's KV budget, held until the session closes
 
 
 class VerifierEngine:
@@ -53,11 +63,15 @@ class VerifierEngine:
     def from_config(cls, config: TargetConfig) -> "VerifierEngine":
         return cls(load_causal_lm(config.model_path, threads=config.threads), config)
 
-    def open(self, spec: SessionSpec) -> int:
+    def open(self, spec: SessionSpec, max_new_tokens: int | None = None) -> int:
+        """Prefill a session; ``max_new_tokens`` sizes its KV reservation (None: the whole context)."""
         t0 = time.perf_counter_ns()
         check_session_id(spec.session_id)  # before the prefill, not after it
-        validate_prompt(spec.prompt_ids, self.loaded.vocab_size, self.loaded.context_length)
-        session = _Session(KVSequence(self.loaded.model, self.decoder), list(spec.prompt_ids), spec.sampling)
+        context = self.loaded.context_length
+        validate_prompt(spec.prompt_ids, self.loaded.vocab_size, context)
+        reserve = context if max_new_tokens is None else min(context, len(spec.prompt_ids) + max_new_tokens)
+        self._check_kv_budget(reserve)
+        session = _Session(KVSequence(self.loaded.model, self.decoder), list(spec.prompt_ids), spec.sampling, reserve)
         # Prefill all but the last prompt token's successor: the first Verify feeds only drafts.
         session.kv.logits_for(spec.prompt_ids, 1)
         self.sessions.add(spec.session_id, session)
@@ -102,6 +116,39 @@ class VerifierEngine:
     def close(self, session_id: str) -> bool:
         return self.sessions.pop(session_id) is not None
 
+    @property
+    def kv_budget_tokens(self) -> int:
+        return self.config.max_kv_tokens or self.config.max_sessions * self.loaded.context_length
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Key and value vectors of every layer for one token, as this engine stores them."""
+        cfg = self.loaded.model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        element = next(self.loaded.model.parameters()).element_size()
+        return 2 * cfg.num_hidden_layers * heads * head_dim * element
+
+    def kv_bytes_held(self) -> int:
+        """Bytes of KV cache the sessions hold now (read by the metrics thread: retried if the table moves)."""
+        for _ in range(3):
+            try:
+                return self.kv_bytes_per_token * sum(len(s.committed) for s in self.sessions.values())
+            except RuntimeError:  # the table changed size while we read it
+                continue
+        return 0
+
+    def kv_reserved_tokens(self) -> int:
+        return sum(s.reserved_tokens for s in self.sessions.values())
+
+    def _check_kv_budget(self, reserve: int) -> None:
+        self.sessions.reap_idle()  # an expired session's reservation is free again
+        held, budget = self.kv_reserved_tokens(), self.kv_budget_tokens
+        if held + reserve > budget:
+            raise Overloaded(f"this verifier's KV budget is {budget} tokens and {held} are reserved by {len(self.sessions)} "
+                             f"sessions; this one needs {reserve} (prompt + max_new_tokens): retry later, on another replica, "
+                             "or ask for fewer tokens")
+
     def status(self) -> WorkerInfo:
         self.sessions.reap_idle()
         return WorkerInfo(len(self.sessions), self.loaded.path, self.loaded.vocab_size, self.loaded.context_length)
@@ -110,17 +157,27 @@ class VerifierEngine:
 class AsyncVerifierEngine:
     """A VerifierEngine on its own thread (or inline), awaitable from the event loop."""
 
-    def __init__(self, engine: VerifierEngine, threaded: bool = True) -> None:
+    def __init__(self, engine: VerifierEngine, threaded: bool = True, metrics: "VerifierMetrics | None" = None) -> None:
         from specdec.core.offload import Offload
 
         self.engine = engine
         self._run = Offload("verify", threaded)
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch(sessions=lambda: len(engine.sessions), kv_bytes=engine.kv_bytes_held,
+                          queued_steps=lambda: self._run.pending)
 
-    async def open(self, spec: SessionSpec) -> int:
-        return await self._run(self.engine.open, spec)
+    async def open(self, spec: SessionSpec, max_new_tokens: int | None = None) -> int:
+        return await self._run(self.engine.open, spec, max_new_tokens)
 
     async def verify(self, session_id: str, proposal: DraftProposal) -> VerifyOutcome:
-        return await self._run(self.engine.verify, session_id, proposal)
+        return await self._run(self._verify, session_id, proposal)
+
+    def _verify(self, session_id: str, proposal: DraftProposal) -> VerifyOutcome:
+        if self.metrics is None:
+            return self.engine.verify(session_id, proposal)
+        with self.metrics.busy():
+            return self.engine.verify(session_id, proposal)
 
     async def close(self, session_id: str) -> bool:
         return await self._run(self.engine.close, session_id)

@@ -64,7 +64,7 @@ class VerifierLoop:
         spec = self.run.spec
         link = self.link_factory(self.run)
         try:
-            opened = await asyncio.gather(self.engine.open(spec), self._open_link(link, spec), return_exceptions=True)
+            opened = await asyncio.gather(self.engine.open(spec, self.run.max_new_tokens), self._open_link(link, spec), return_exceptions=True)
             if isinstance(opened[0], BaseException):
                 raise opened[0]
             self.link = opened[1] if not isinstance(opened[1], BaseException) else None
@@ -162,6 +162,9 @@ class VerifierLoop:
         timing = StepTiming(verify_s=outcome.verify_time_ns * 1e-9, wait_s=t_block - t0, step_s=t1 - t0,
                             draft_s=(block.proposal.draft_time_ns * 1e-9) if block is not None else 0.0, predrafted=predrafted)
         self.controller.observe(drafted, outcome.num_accepted, timing)
+        metrics = getattr(self.engine, "metrics", None)
+        if metrics is not None:  # the draft wait only means something while a drafter is linked
+            metrics.observe_round(drafted, outcome.num_accepted, t_block - t0 if self.link is not None else None)
         if not finished:
             s.k = self._cap(self.controller.next_k())
             self._tell_drafter(outcome.token_ids)

@@ -18,9 +18,24 @@ STATUS: dict[type[errors.SpecdecError], grpc.StatusCode] = {
     errors.CorruptRecord: grpc.StatusCode.DATA_LOSS,
     errors.ModelMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ModelNotFound: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.UnsupportedModel: grpc.StatusCode.FAILED_PRECONDITION,
     errors.WorkerUnavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+
+
+MAX_DETAILS_CHARS = 512  # an error message never echoes back more of the caller's input than this
+
+
+def details_for(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) <= MAX_DETAILS_CHARS else text[: MAX_DETAILS_CHARS - 1] + "…"
+
+
+async def abort_for(context: grpc.aio.ServicerContext, exc: errors.SpecdecError):
+    """End the call with the error's status and its (bounded) message."""
+    await context.abort(status_for(exc), details_for(exc))
 
 
 def status_for(exc: errors.SpecdecError) -> grpc.StatusCode:
@@ -38,7 +53,7 @@ def rpc_errors(method):
         try:
             return await method(self, request, context)
         except errors.SpecdecError as exc:
-            await context.abort(status_for(exc), str(exc))
+            await abort_for(context, exc)
 
     return wrapper
 
@@ -52,7 +67,7 @@ def stream_errors(method):
             async for item in method(self, request, context):
                 yield item
         except errors.SpecdecError as exc:
-            await context.abort(status_for(exc), str(exc))
+            await abort_for(context, exc)
 
     return wrapper
 

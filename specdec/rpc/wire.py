@@ -5,6 +5,8 @@ from specdec.core.errors import InvalidRequest
 from specdec.core.sampling import SamplingParams, VerificationRule
 from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 from specdec.core.steps import (
+    MAX_DISTRIBUTION_ENTRIES,
+    MAX_STEP_TOKENS,
     DraftBlock,
     DraftProposal,
     SessionRun,
@@ -84,6 +86,14 @@ def block_to_pb(b: DraftBlock) -> drafter_pb2.DraftBlock:
 
 
 def block_from_pb(pb: drafter_pb2.DraftBlock) -> DraftBlock:
+    """A block from a drafter, its sizes checked before anything is copied (a drafter may misbehave)."""
+    if len(pb.draft_token_ids) > MAX_STEP_TOKENS or len(pb.assumed_ids) > MAX_STEP_TOKENS:
+        raise InvalidRequest(f"a draft block carries at most {MAX_STEP_TOKENS} draft and {MAX_STEP_TOKENS} assumed tokens, "
+                             f"got {len(pb.draft_token_ids)} and {len(pb.assumed_ids)}")
+    if len(pb.draft_distributions) > len(pb.draft_token_ids) or any(
+            max(len(d.token_ids), len(d.probs)) > MAX_DISTRIBUTION_ENTRIES for d in pb.draft_distributions):
+        raise InvalidRequest(f"a draft block carries one distribution per draft token, each of at most "
+                             f"{MAX_DISTRIBUTION_ENTRIES} entries")
     proposal = DraftProposal(tuple(pb.draft_token_ids), _dists_from_pb(pb.draft_distributions), pb.draft_time_ns)
     return DraftBlock(pb.anchor_len, tuple(pb.assumed_ids), proposal)
 
