@@ -36,6 +36,7 @@ from specdec.core.sessions import (
     json_object,
     pack_ids,
     pack_ks,
+    short_id,
     params_from_json,
     params_to_json,
     unpack_ids,
@@ -153,7 +154,7 @@ class RedisSessionStore:
 
     def _check_result(self, result: int, session_id: str) -> None:
         if result == _MISSING:
-            raise SessionNotFound(f"no session {session_id!r} in Redis (unknown or expired)")
+            raise SessionNotFound(f"no session {short_id(session_id)} in Redis (unknown or expired)")
         if result == _FOREIGN:
             raise CorruptRecord(
                 f"Redis key {self.session_key(session_id)!r} is not a version-{FORMAT_VERSION} specdec session"
@@ -176,7 +177,7 @@ class RedisSessionStore:
         for name, value in fields.items():
             args += [name, value]
         if not await self._create(keys=self._keys(record.session_id), args=args):
-            raise InvalidRequest(f"session {record.session_id!r} already exists")
+            raise InvalidRequest(f"session {short_id(record.session_id)} already exists")
 
     @_store_errors
     async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters,
@@ -208,7 +209,7 @@ class RedisSessionStore:
                 raise CorruptRecord(f"Redis key {key!r} or {out_key!r} has the wrong type: {e}") from None
             raise
         if not raw:
-            raise SessionNotFound(f"no session {session_id!r} in Redis (unknown or expired)")
+            raise SessionNotFound(f"no session {short_id(session_id)} in Redis (unknown or expired)")
         try:
             return _decode(session_id, raw, out, ks)
         except CorruptRecord as e:

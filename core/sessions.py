@@ -299,10 +299,10 @@ class InMemorySessionStore:
     def _live(self, session_id: str) -> _Entry:
         entry = self._entries.get(check_session_id(session_id))
         if entry is None:
-            raise SessionNotFound(f"no session {session_id!r}")
+            raise SessionNotFound(f"no session {short_id(session_id)}")
         if entry.expires_at <= self._clock():
             del self._entries[session_id]
-            raise SessionNotFound(f"session {session_id!r} expired")
+            raise SessionNotFound(f"session {short_id(session_id)} expired")
         return entry
 
     def _sweep(self, now: float) -> None:
@@ -324,7 +324,7 @@ class InMemorySessionStore:
         except SessionNotFound:
             pass
         else:
-            raise InvalidRequest(f"session {record.session_id!r} already exists")
+            raise InvalidRequest(f"session {short_id(record.session_id)} already exists")
         self._entries[record.session_id] = _Entry(
             record=replace(record, prompt_ids=tuple(record.prompt_ids), output_ids=()),
             params_json=params_json,

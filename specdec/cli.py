@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("role", choices=["draft", "target", "orchestrator"])
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default: 50051 orchestrator, 50052 draft, 50053 target)")
+    serve.add_argument("--grace-s", type=float, default=5.0,
+                       help="on SIGTERM: health turns NOT_SERVING, then in-flight calls get this long to finish")
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics over HTTP at /metrics on this port (default: none)")
     serve.add_argument("--health-port", type=int, default=None,
@@ -303,7 +305,7 @@ async def _serve(args) -> int:
     # Workers with a CA demand a client certificate; the client API authenticates by API key instead.
     server = ServerConfig(args.host, args.port if args.port is not None else PORTS[args.role], credentials=accepted, tls=tls,
                           require_client_cert=args.role != "orchestrator" and tls is not None and tls.ca_file is not None,
-                          health_port=args.health_port)
+                          health_port=args.health_port, grace_s=args.grace_s)
     if args.role == "draft":
         from specdec.draft.drafters import DraftConfig
 

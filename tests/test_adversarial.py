@@ -204,3 +204,32 @@ async def test_refusals_beside_a_seeded_session_leave_its_output_unchanged(clust
     beside, _ = await asyncio.gather(cluster.stub.Generate(seeded, timeout=60), barrage())
     assert list(beside.token_ids) == list(alone.token_ids)
     assert await wait_for_no_sessions(cluster) == (0, 0)
+
+
+async def test_session_ids_stay_out_of_logs_and_worker_errors(cluster, caplog):
+    """A session id is a capability: logs at INFO and above, and errors a worker sends (which a
+    verifier logs as warnings), show at most its short hash."""
+    from specdec.core.sessions import short_id
+    from specdec.v1 import drafter_pb2_grpc
+
+    with caplog.at_level(logging.INFO):
+        reply = await cluster.stub.Generate(pb.GenerateRequest(text="def f():", max_new_tokens=6, drafter="model"), timeout=60)
+        sid = reply.session_id
+        taken = "cd" * 16
+        async with cluster.worker_channel(cluster.servers[0].address) as channel:
+            stub = drafter_pb2_grpc.DrafterStub(channel)
+            first = stub.Speculate(timeout=10)
+            await first.write(drafter_pb2.SpeculateRequest(open=common_pb2.OpenSessionRequest(
+                session_id=taken, prompt_token_ids=[1, 2, 3], drafter="ngram", sampling=common_pb2.SamplingParams(seed=1))))
+            await first.write(drafter_pb2.SpeculateRequest(outcome=drafter_pb2.StepOutcome(committed_len=3, num_speculative_tokens=2)))
+            await first.read()  # open on the drafter
+            second = stub.Speculate(timeout=10)
+            await second.write(drafter_pb2.SpeculateRequest(open=common_pb2.OpenSessionRequest(
+                session_id=taken, prompt_token_ids=[1, 2, 3], drafter="ngram", sampling=common_pb2.SamplingParams(seed=1))))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await second.read()
+            first.cancel()
+    assert "already open" in err.value.details() and taken not in err.value.details() and short_id(taken) in err.value.details()
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.INFO)
+    assert sid not in logged and taken not in logged
+    assert await wait_for_no_sessions(cluster) == (0, 0)

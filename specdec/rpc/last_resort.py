@@ -57,6 +57,11 @@ async def _checked_stream(requests):
 
 
 async def _unexpected(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    if context.cancelled() or context.done():
+        # The caller went away first (a verifier closing a link it no longer needs): there is no one
+        # to answer, and an abort on a finished call fails. Not a bug in the handler.
+        log.debug("call to %s ended by its caller before the handler's error could be sent: %r", method, exc)
+        return
     if isinstance(exc, SpecdecError):  # a known error a handler let through: still its own status
         await abort_for(context, exc)
     await _internal(context, method, exc)
