@@ -34,21 +34,19 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class KVSequence:
-    """One sequence's KV cache and the token ids it covers.
+    """One sequence's KV cache and the token ids it covers, through a model runner (core/runner.py).
 
     With a ``LlamaDecoder`` (specdec.core.llama_decode) the cache is its own growing buffer and a
     crop is just a shorter valid length; otherwise it is the model's own HF ``DynamicCache``.
     """
 
-    def __init__(self, model: torch.nn.Module, decoder=None) -> None:
-        self._model = model
-        self._decoder = decoder
-        if decoder is not None:
-            self._cache = decoder.new_cache()
-        else:
-            from transformers import DynamicCache
+    def __init__(self, model: torch.nn.Module, decoder=None, runner=None) -> None:
+        """``runner``: the engine's shared runner (sequences batch together only through one runner)."""
+        from specdec.core.runner import runner_for
 
-            self._cache = DynamicCache(config=model.config)
+        self._decoder = decoder
+        self.runner = runner or runner_for(model, decoder)
+        self._cache = self.runner.new_cache()
         self._cached_ids: list[int] = []  # token ids whose keys/values are in the cache
 
     @property
@@ -69,23 +67,46 @@ class KVSequence:
         """The lean decoder's cache buffer (specdec.core.llama_decode.DecodeCache), or None on the HF forward."""
         return self._cache if self._decoder is not None else None
 
-    @torch.inference_mode()
-    def logits_for(self, token_ids: Sequence[int], num_last: int) -> torch.Tensor:
-        """Logits predicting the token after each of the last ``num_last`` of ``token_ids``: [num_last, vocab]."""
+    def plan(self, token_ids: Sequence[int], num_last: int):
+        """The feed that brings the cache to ``token_ids``: keep the longest cached prefix (but feed at
+        least ``num_last`` tokens), crop the rest. Run it with `commit` after the runner's forward."""
+        from specdec.core.runner import Feed
+
         if not 1 <= num_last <= len(token_ids):
             raise ValueError(f"num_last must be in [1, {len(token_ids)}], got {num_last}")
         cached = self._cached_ids
         # The usual case (the cache is a prefix of the request) is one C-speed slice comparison.
         prefix = len(cached) if list(token_ids[: len(cached)]) == cached else common_prefix_len(cached, token_ids)
         keep = min(prefix, len(token_ids) - num_last)
-        if keep < len(self._cached_ids):
-            if self._decoder is None:
-                crop_to(self._cache, keep)
-            del self._cached_ids[keep:]  # the decoder's buffer past `keep` is simply overwritten later
-        new = list(token_ids[keep:])
-        if self._decoder is not None:
-            logits = self._decoder.forward(self._cache, new, keep, num_last)
-        else:
-            logits = self._model(input_ids=torch.tensor([new]), cache=self._cache, use_cache=True, logits_to_keep=num_last).logits[0]
-        self._cached_ids.extend(new)
-        return logits  # [num_last, vocab]
+        if keep < len(cached):
+            self.runner.truncate(self._cache, keep)
+            del cached[keep:]
+        return Feed(self._cache, keep, list(token_ids[keep:]), num_last)
+
+    def commit(self, feed) -> None:
+        """The feed ran: its tokens are cached now."""
+        self._cached_ids.extend(feed.token_ids)
+
+    @torch.inference_mode()
+    def logits_for(self, token_ids: Sequence[int], num_last: int) -> torch.Tensor:
+        """Logits predicting the token after each of the last ``num_last`` of ``token_ids``: [num_last, vocab]."""
+        return logits_for_batch([(self, token_ids, num_last)])[0]
+
+
+@torch.inference_mode()
+def logits_for_batch(requests: Sequence[tuple[KVSequence, Sequence[int], int]]) -> list[torch.Tensor]:
+    """`KVSequence.logits_for` for many sequences of one model in one runner forward.
+
+    Each request is (sequence, its token ids, num_last); each gets ``[num_last, vocab]``."""
+    if not requests:
+        return []
+    runner = requests[0][0].runner
+    if any(kv.runner is not runner for kv, _, _ in requests[1:]):
+        raise ValueError("a batch's sequences must share one model runner")
+    if len({id(kv) for kv, _, _ in requests}) != len(requests):
+        raise ValueError("a sequence may appear once per batch")
+    feeds = [kv.plan(ids, num_last) for kv, ids, num_last in requests]
+    logits = runner.forward(feeds)
+    for (kv, _, _), feed in zip(requests, feeds):
+        kv.commit(feed)
+    return logits

@@ -183,28 +183,86 @@ class LlamaDecoder:
 
         Row r's keys and values are written at ``buf`` position ``start + r`` (``buf``:
         [layers, 2, kv_heads, >= start + n, head_dim]), and each row attends to positions
-        ``[0, start + n)`` where ``mask`` [n, start + n] allows (None: all of them). The one place
-        the layer math lives: the sequence forward and the branch forward (core/branch_decode.py) share it.
+        ``[0, start + n)`` where ``mask`` [n, start + n] allows (None: all of them). The sequence
+        forward and the branch forward (core/branch_decode.py) use it; ``forward_batch`` gives
+        `layers_with` its own attention.
         """
         n = x.shape[0]
         end = start + n
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            buf[i, 0, :, start:end] = k.transpose(0, 1)  # keys [kv, n, d]
+            buf[i, 1, :, start:end] = v.transpose(0, 1)  # values
+            return self._attention(q, buf[i, 0, :, :end], buf[i, 1, :, :end], mask)
+
+        return self.layers_with(x, rotary, attend)
+
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Rows ``q`` [n, h, d] over ``keys``/``values`` [kv, L, d]: [n, h * d]."""
+        n, h, d = q.shape
+        # 4-D inputs: with 3-D ones PyTorch's CPU SDPA takes its slow math path (~3x slower here).
+        att = F.scaled_dot_product_attention(
+            q[None].transpose(1, 2), keys[None], values[None],
+            attn_mask=mask, scale=1.0 / math.sqrt(d), enable_gqa=self.n_kv != h,
+        )  # [1, h, n, d]
+        return att[0].transpose(0, 1).reshape(n, h * d)
+
+    def layers_with(self, x: torch.Tensor, rotary: torch.Tensor,
+                    attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The one place the layer math lives. ``attend(layer, q [n, h, d], k [n, kv, d], v [n, kv, d])``
+        stores the new keys and values wherever its caller keeps them and returns attention [n, h * d]."""
+        n = x.shape[0]
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
         shape = (self.hidden,)
         for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
             qkv = qkv_proj(F.rms_norm(x, shape, ln1, self.eps))  # [n, (h + 2kv) * d]
             qk = torch.view_as_complex(qkv[:, : (h + kv) * d].float().reshape(n, h + kv, d // 2, 2))  # [n, h + kv, d/2]
             qk = torch.view_as_real(qk * rotary).reshape(n, h + kv, d).to(self.dtype)  # rotated q and k
-            buf[i, 0, :, start:end] = qk[:, h:].transpose(0, 1)  # keys [kv, n, d]
-            buf[i, 1, :, start:end] = qkv[:, (h + kv) * d :].view(n, kv, d).transpose(0, 1)  # values
-            # 4-D inputs: with 3-D ones PyTorch's CPU SDPA takes its slow math path (~3x slower here).
-            att = F.scaled_dot_product_attention(
-                qk[None, :, :h].transpose(1, 2), buf[None, i, 0, :, :end], buf[None, i, 1, :, :end],
-                attn_mask=mask, scale=1.0 / math.sqrt(d), enable_gqa=kv != h,
-            )  # [1, h, n, d]
-            x = x + o_proj(att[0].transpose(0, 1).reshape(n, h * d))
+            x = x + o_proj(attend(i, qk[:, :h], qk[:, h:], qkv[:, (h + kv) * d :].view(n, kv, d)))
             gate, up = gate_up_proj(F.rms_norm(x, shape, ln2, self.eps)).chunk(2, dim=-1)
             x = x + down_proj(F.silu(gate) * up)
         return x
+
+    @torch.inference_mode()
+    def forward_batch(self, caches: list[DecodeCache], token_ids: list[list[int]], starts: list[int],
+                      num_last: list[int]) -> list[torch.Tensor]:
+        """Many sequences in one forward: sequence b feeds ``token_ids[b]`` at positions starts[b]..
+        into ``caches[b]``; returns each one's logits of its last ``num_last[b]`` rows.
+
+        The rows of all sequences are flattened into one [N, hidden] batch (N = the sum of their
+        lengths, ragged, in the spirit of vLLM's flattened draft tokens with offsets), so every
+        weight is read once per forward however many sequences share it: that is where batching
+        pays. Attention stays per sequence, on its own contiguous buffer: measured here, gathering
+        B caches into one padded tensor per layer copies more bytes than the loop costs in calls
+        (a GPU would run the same flattened rows through a varlen attention kernel instead).
+        """
+        lengths = [len(t) for t in token_ids]
+        for cache, start, n in zip(caches, starts, lengths):
+            self._reserve(cache, start + n)
+        flat = [t for ids in token_ids for t in ids]
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])  # [N]
+        x = self.embed[torch.tensor(flat)]  # [N, hidden]
+        rotary = self.rotary[positions]  # [N, 1, d/2]
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        masks = [torch.ones(n, s + n, dtype=torch.bool).tril(diagonal=s) if n > 1 else None for s, n in zip(starts, lengths)]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = []
+            for b, cache in enumerate(caches):
+                lo, hi, start = offsets[b], offsets[b + 1], starts[b]
+                end = start + hi - lo
+                buf = cache.buf
+                buf[i, 0, :, start:end] = k[lo:hi].transpose(0, 1)
+                buf[i, 1, :, start:end] = v[lo:hi].transpose(0, 1)
+                out.append(self._attention(q[lo:hi], buf[i, 0, :, :end], buf[i, 1, :, :end], masks[b]))
+            return out[0] if len(out) == 1 else torch.cat(out)
+
+        x = self.layers_with(x, rotary, attend)
+        rows = torch.cat([torch.arange(offsets[b + 1] - m, offsets[b + 1]) for b, m in enumerate(num_last)])
+        logits = self.lm_head(F.rms_norm(x[rows], (self.hidden,), self.final_norm, self.eps)).float()  # [sum(num_last), vocab]
+        return list(logits.split(num_last))
 
     @torch.inference_mode()
     def forward(self, cache: DecodeCache, token_ids: list[int], start: int, num_last: int | None = None) -> torch.Tensor:

@@ -1,19 +1,23 @@
 """The verifier's core: the target model, one KV cache per session, the rejection rule. No gRPC here."""
 from __future__ import annotations
 
+import asyncio
+import collections
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.core import rng
-from specdec.core.errors import Overloaded
-from specdec.core.kv import KVSequence
+from specdec.core.errors import InvalidRequest, Overloaded, SpecdecError
+from specdec.core.kv import KVSequence, logits_for_batch
 from specdec.core.llama_decode import PACK_ROWS, LlamaDecoder, supports
 from specdec.core.models import LoadedModel, load_causal_lm
 from specdec.core.coupled import coupled_verify_one, processed_logprobs
 from specdec.core.noise import gumbel_noise
+from specdec.core.runner import runner_for
 from specdec.core.rejection import greedy_verify, rejection_sample
 from specdec.core.sampling import SamplingParams, probs_from_logits
 from specdec.core.session_table import SessionTable
@@ -39,6 +43,13 @@ class TargetConfig:
     # reserves prompt + max_new_tokens (at most the context) when it opens, so one admitted never
     # runs out mid-stream; one that does not fit is refused with RESOURCE_EXHAUSTED.
     max_kv_tokens: int | None = None
+    # Continuous batching: the verify steps that arrive while a batch runs form the next batch (no
+    # waiting when idle, so one session alone pays nothing), up to this many sessions per forward.
+    max_batch_sessions: int = 64
+    # Sessions whose steps came back together re-submit a moment apart (each passes through the event
+    # loop): wait this long at most for every open session to be ready, so a batch is not split in
+    # two halves that alternate. One session alone never waits (it is all the open sessions).
+    batch_wait_s: float = 0.003
 
 
 @dataclass
@@ -58,6 +69,7 @@ class VerifierEngine:
         self.sessions: SessionTable[_Session] = SessionTable(config.max_sessions, config.idle_timeout_s)
         fast = config.fast_forward and supports(loaded.model)
         self.decoder = LlamaDecoder(loaded.model, pack_rows=config.pack_rows) if fast else None
+        self.runner = runner_for(loaded.model, self.decoder)  # every session's forward goes through it, batched
 
     @classmethod
     def from_config(cls, config: TargetConfig) -> "VerifierEngine":
@@ -71,31 +83,62 @@ class VerifierEngine:
         validate_prompt(spec.prompt_ids, self.loaded.vocab_size, context)
         reserve = context if max_new_tokens is None else min(context, len(spec.prompt_ids) + max_new_tokens)
         self._check_kv_budget(reserve)
-        session = _Session(KVSequence(self.loaded.model, self.decoder), list(spec.prompt_ids), spec.sampling, reserve)
+        session = _Session(KVSequence(self.loaded.model, self.decoder, self.runner), list(spec.prompt_ids), spec.sampling, reserve)
         # Prefill all but the last prompt token's successor: the first Verify feeds only drafts.
         session.kv.logits_for(spec.prompt_ids, 1)
         self.sessions.add(spec.session_id, session)
         return time.perf_counter_ns() - t0
 
     def verify(self, session_id: str, proposal: DraftProposal) -> VerifyOutcome:
-        """Check ``proposal`` against the session's committed tokens; commit what the rejection rule keeps."""
+        """Check ``proposal`` against the session's committed tokens; commit what the rule keeps."""
+        result = self.verify_batch([(session_id, proposal)])[0]
+        if isinstance(result, SpecdecError):
+            raise result
+        return result
+
+    def verify_batch(self, steps: Sequence[tuple[str, DraftProposal]]) -> list[VerifyOutcome | SpecdecError]:
+        """One verification step for each (session, proposal), all in one target forward.
+
+        Proposals are ragged (each session its own k, 0 included). A step that is refused gets its
+        error in its place and changes nothing; the others go on. Every session's tokens follow
+        from its own logits and its own seed, so what shares a batch never changes an outcome.
+        """
         t0 = time.perf_counter_ns()
-        s = self.sessions.get(session_id)
-        # Validate everything before touching the session: a refused step leaves it as it was.
-        n = len(s.committed)
+        results: list[VerifyOutcome | SpecdecError | None] = [None] * len(steps)
+        checked = []  # (index, session, proposal, committed length, draft probs)
+        seen: set[str] = set()
+        for i, (session_id, proposal) in enumerate(steps):
+            try:  # validate everything before touching the session: a refused step leaves it as it was
+                if session_id in seen:
+                    raise InvalidRequest("a session verifies at most one step per batch")
+                s = self.sessions.get(session_id)
+                n = len(s.committed)
+                check_room(n, len(proposal.token_ids), self.loaded.context_length)
+                draft_probs = dense_draft_probs(proposal, self.loaded.vocab_size)  # [k, vocab] or None
+            except SpecdecError as exc:
+                results[i] = exc
+                continue
+            seen.add(session_id)
+            checked.append((i, s, proposal, n, draft_probs))
+        all_logits = logits_for_batch([(s.kv, s.committed + list(p.token_ids), len(p.token_ids) + 1)
+                                       for _, s, p, _, _ in checked])  # each [k+1, vocab]
+        for (i, s, proposal, n, draft_probs), logits in zip(checked, all_logits):
+            tokens, accepted = self._decide(s, n, proposal, draft_probs, logits)
+            s.committed.extend(tokens)
+            results[i] = (tokens, accepted, len(s.committed))
+        elapsed = time.perf_counter_ns() - t0  # each step waited for the whole batch
+        return [VerifyOutcome(*r, elapsed) if isinstance(r, tuple) else r for r in results]
+
+    def _decide(self, s: _Session, n: int, proposal: DraftProposal, draft_probs: torch.Tensor | None,
+                logits: torch.Tensor) -> tuple[tuple[int, ...], int]:
+        """The session's rule over its own logits [k+1, vocab]: greedy, coupled or rejection."""
         k = len(proposal.token_ids)
-        check_room(n, k, self.loaded.context_length)
-        draft_probs = dense_draft_probs(proposal, self.loaded.vocab_size)  # [k, vocab] or None
-        logits = s.kv.logits_for(s.committed + list(proposal.token_ids), k + 1)  # [k+1, vocab]
         if s.sampling.greedy:
-            tokens, accepted = greedy_verify(proposal.token_ids, logits)
-        elif s.sampling.coupled:
+            return greedy_verify(proposal.token_ids, logits)
+        if s.sampling.coupled:
             noise = gumbel_noise(s.sampling.seed, range(n, n + k + 1), logits.shape[-1])  # [k+1, vocab]
-            tokens, accepted = coupled_verify_one(proposal.token_ids, processed_logprobs(logits, s.sampling), noise)
-        else:
-            tokens, accepted = self._sample(s, n, proposal, draft_probs, logits)
-        s.committed.extend(tokens)
-        return VerifyOutcome(tokens, accepted, len(s.committed), time.perf_counter_ns() - t0)
+            return coupled_verify_one(proposal.token_ids, processed_logprobs(logits, s.sampling), noise)
+        return self._sample(s, n, proposal, draft_probs, logits)
 
     @staticmethod
     def _sample(s: _Session, n: int, proposal: DraftProposal, draft_probs: torch.Tensor | None,
@@ -155,29 +198,82 @@ class VerifierEngine:
 
 
 class AsyncVerifierEngine:
-    """A VerifierEngine on its own thread (or inline), awaitable from the event loop."""
+    """A VerifierEngine on its own thread (or inline), awaitable from the event loop.
+
+    Verify steps are batched: every step that arrives while a batch runs on the thread joins the
+    next one (FIFO, up to ``max_batch_sessions``), so under load one target forward serves many
+    sessions and nobody waits longer than the batch ahead of it.
+    """
 
     def __init__(self, engine: VerifierEngine, threaded: bool = True, metrics: "VerifierMetrics | None" = None) -> None:
         from specdec.core.offload import Offload
 
         self.engine = engine
         self._run = Offload("verify", threaded)
+        self._waiting: collections.deque[tuple[str, DraftProposal, asyncio.Future]] = collections.deque()
+        self._batcher: asyncio.Task | None = None
+        self._arrived = asyncio.Event()
+        self.batch_sizes: collections.Counter[int] = collections.Counter()  # sessions per forward, for benchmarks
         self.metrics = metrics
         if metrics is not None:
             metrics.watch(sessions=lambda: len(engine.sessions), kv_bytes=engine.kv_bytes_held,
-                          queued_steps=lambda: self._run.pending)
+                          queued_steps=lambda: len(self._waiting) + self._run.pending)
 
     async def open(self, spec: SessionSpec, max_new_tokens: int | None = None) -> int:
         return await self._run(self.engine.open, spec, max_new_tokens)
 
     async def verify(self, session_id: str, proposal: DraftProposal) -> VerifyOutcome:
-        return await self._run(self._verify, session_id, proposal)
+        done = asyncio.get_running_loop().create_future()
+        self._waiting.append((session_id, proposal, done))
+        self._arrived.set()
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.ensure_future(self._batches())
+        return await done
 
-    def _verify(self, session_id: str, proposal: DraftProposal) -> VerifyOutcome:
+    async def _gather(self, limit: int) -> None:
+        """Wait (bounded by batch_wait_s) until every open session has a step waiting, or the batch is full."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.engine.config.batch_wait_s
+        while len(self._waiting) < min(limit, len(self.engine.sessions)):
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    async def _batches(self) -> None:
+        limit = self.engine.config.max_batch_sessions
+        while self._waiting:
+            await self._gather(limit)
+            batch = []
+            while self._waiting and len(batch) < limit:
+                item = self._waiting.popleft()
+                if not item[2].done():  # a step whose session was cancelled while it waited
+                    batch.append(item)
+            if not batch:
+                continue
+            self.batch_sizes[len(batch)] += 1
+            try:
+                results = await self._run(self._verify_batch, [(sid, proposal) for sid, proposal, _ in batch])
+            except BaseException as exc:  # a bug in the forward, or shutdown: every step of the batch hears it
+                for _, _, done in batch:
+                    if not done.done():
+                        done.set_exception(exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                continue
+            for (_, _, done), result in zip(batch, results):
+                if not done.done():
+                    done.set_exception(result) if isinstance(result, BaseException) else done.set_result(result)
+
+    def _verify_batch(self, steps: list[tuple[str, DraftProposal]]) -> list[VerifyOutcome | SpecdecError]:
         if self.metrics is None:
-            return self.engine.verify(session_id, proposal)
+            return self.engine.verify_batch(steps)
         with self.metrics.busy():
-            return self.engine.verify(session_id, proposal)
+            return self.engine.verify_batch(steps)
 
     async def close(self, session_id: str) -> bool:
         return await self._run(self.engine.close, session_id)

@@ -1,0 +1,96 @@
+"""The model runner: the narrow interface between schedulers and a model's forward.
+
+A batch of feeds (sequence cache, start position, tokens, how many logits) goes in, each feed's
+logits come out; caches are created, truncated and freed through the runner. Everything above it
+(KV bookkeeping with rollback in core/kv.py, the verifier's batching, the samplers) never reaches
+into the model, so another backend (a GPU runner with paged attention) implements these four
+methods and nothing else. Two implementations: the lean Llama forward, which runs a whole batch in
+one forward, and the Hugging Face fallback, which runs the feeds one after another.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class Feed:
+    """One sequence's part of a forward."""
+
+    cache: object  # what the runner's new_cache() made for this sequence
+    start: int  # position of token_ids[0]: the cache holds valid keys and values for [0, start)
+    token_ids: Sequence[int]
+    num_last: int  # logits wanted for the last num_last of token_ids
+
+
+class ModelRunner(Protocol):
+    def new_cache(self) -> object:
+        """An empty cache for one sequence."""
+
+    def truncate(self, cache: object, length: int) -> None:
+        """Forget everything past the first ``length`` positions (exact rollback)."""
+
+    def free(self, cache: object) -> None:
+        """The sequence is over: its memory may be reused."""
+
+    def forward(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
+        """Feed every sequence its tokens; logits ``[num_last, vocab]`` float32 per feed, in order."""
+
+
+class LeanRunner:
+    """specdec.core.llama_decode: one forward for the whole batch; a cache is a growing buffer."""
+
+    def __init__(self, decoder) -> None:
+        self.decoder = decoder
+
+    def new_cache(self):
+        return self.decoder.new_cache()
+
+    def truncate(self, cache, length: int) -> None:
+        pass  # a DecodeCache has no length of its own: positions past `start` are overwritten by the next feed
+
+    def free(self, cache) -> None:
+        pass  # the buffer goes with its last reference
+
+    def forward(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
+        if len(feeds) == 1:  # the sequence path: no flattening to do
+            f = feeds[0]
+            return [self.decoder.forward(f.cache, list(f.token_ids), f.start, f.num_last)]
+        return self.decoder.forward_batch([f.cache for f in feeds], [list(f.token_ids) for f in feeds],
+                                          [f.start for f in feeds], [f.num_last for f in feeds])
+
+
+class HFRunner:
+    """The model's own Hugging Face forward and DynamicCache, one feed at a time (the reference path)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def truncate(self, cache, length: int) -> None:
+        from specdec.core.kv import crop_to
+
+        crop_to(cache, length)
+
+    def free(self, cache) -> None:
+        pass
+
+    @torch.inference_mode()
+    def forward(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
+        out = []
+        for f in feeds:
+            result = self.model(input_ids=torch.tensor([list(f.token_ids)]), cache=f.cache, use_cache=True,
+                                logits_to_keep=f.num_last)
+            out.append(result.logits[0].float())
+        return out
+
+
+def runner_for(model: torch.nn.Module, decoder=None) -> ModelRunner:
+    return LeanRunner(decoder) if decoder is not None else HFRunner(model)

@@ -1,0 +1,112 @@
+"""Continuous batching at the verifier: many sessions' verify steps in one target forward, and not a
+token different for it. Greedy sessions of a batch equal target-only `generate`; a seeded sampled
+session gives the same tokens whatever shares its batch; a refused step in a batch changes nothing."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import pytest
+import torch
+
+from specdec.core.errors import InvalidRequest, SessionNotFound
+from specdec.core.llama_decode import LlamaDecoder
+from specdec.core.models import load_causal_lm
+from specdec.core.sampling import SamplingParams, VerificationRule
+from specdec.core.steps import DraftProposal, SessionSpec
+from specdec.target.engine import TargetConfig, VerifierEngine
+from specdec.v1 import common_pb2, generation_pb2 as pb
+
+from test_e2e import prompts, reference_greedy, request
+
+MIXED_K = [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 3, 5, 8, 1, 4, 2]  # 16 sessions, k = 0..8
+
+
+def test_batched_forward_matches_one_sequence_at_a_time(tiny_pair):
+    model = load_causal_lm(tiny_pair[0]).model
+    dec = LlamaDecoder(model)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 40, 17, 90)]
+    feeds = [(s[: len(s) - m], s[len(s) - m :]) for s, m in zip(seqs, (1, 4, 9, 2))]  # (cached part, new rows)
+    alone, batched = [], []
+    caches = []
+    for cached, new in feeds:
+        one, many = dec.new_cache(), dec.new_cache()
+        dec.forward(one, cached, 0, 1)
+        dec.forward(many, cached, 0, 1)
+        alone.append(dec.forward(one, new, len(cached)))
+        caches.append(many)
+    batched = dec.forward_batch(caches, [new for _, new in feeds], [len(c) for c, _ in feeds], [len(n) for _, n in feeds])
+    for a, b in zip(alone, batched):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair) -> VerifierEngine:
+    return VerifierEngine.from_config(TargetConfig(tiny_pair[0]))
+
+
+def open_sessions(engine: VerifierEngine, n: int, sampling: SamplingParams = SamplingParams(seed=1)) -> list[str]:
+    ids = []
+    for i in range(n):
+        sid = secrets.token_hex(16)
+        engine.open(SessionSpec(sid, tuple(range(1, 4 + 7 * i % 60)), sampling, "ngram"), max_new_tokens=16)
+        ids.append(sid)
+    return ids
+
+
+def test_a_refused_step_in_a_batch_changes_nothing_and_the_rest_go_on(engine):
+    good, bad = open_sessions(engine, 2)
+    before = list(engine.sessions.get(bad).committed)
+    results = engine.verify_batch([(good, DraftProposal((5, 6))), (bad, DraftProposal((5, 10**6))),
+                                   ("ab" * 16, DraftProposal(())), (good, DraftProposal(()))])
+    assert len(results[0].token_ids) >= 1
+    assert isinstance(results[1], InvalidRequest) and "vocabulary" in str(results[1])
+    assert isinstance(results[2], SessionNotFound)
+    assert isinstance(results[3], InvalidRequest) and "one step per batch" in str(results[3])
+    assert engine.sessions.get(bad).committed == before
+    for sid in (good, bad):
+        engine.close(sid)
+
+
+@pytest.mark.parametrize("rule", [VerificationRule.COUPLED, VerificationRule.REJECTION])
+def test_a_sampled_session_gets_the_same_tokens_alone_and_in_a_batch(engine, rule):
+    """Two copies of one seeded session: one verified alone, one beside 15 others, step for step."""
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=77, rule=rule)
+    alone, together = open_sessions(engine, 1, sampling)[0], None
+    others = open_sessions(engine, 15, SamplingParams(temperature=0.8, seed=5, rule=rule))
+    together = secrets.token_hex(16)
+    engine.open(SessionSpec(together, tuple(engine.sessions.get(alone).committed), sampling, "ngram"), max_new_tokens=16)
+    drafts = [(11, 12, 13), (), (7,), (20, 21, 22, 23, 24)]
+    for step in drafts:
+        a = engine.verify(alone, DraftProposal(step))
+        batch = engine.verify_batch([(together, DraftProposal(step))] + [(o, DraftProposal(step[:1])) for o in others])
+        assert batch[0].token_ids == a.token_ids and batch[0].num_accepted == a.num_accepted
+    for sid in (alone, together, *others):
+        engine.close(sid)
+
+
+async def test_sixteen_greedy_sessions_at_once_equal_target_only_generate(cluster, tiny_pair):
+    """16 mixed-length prompts, k = 0..8 fixed and adaptive, both drafters, all at once through the
+    distributed path: each equals transformers' generate, and the verifier did batch them."""
+    target_path, _ = tiny_pair
+    batch_sizes = cluster.target.engine.batch_sizes
+    before = sum(n for size, n in batch_sizes.items() if size > 1)
+    texts = prompts(16)
+    requests = [request(text, MIXED_K[i] if i % 4 else None, "model" if i % 2 else "ngram") for i, text in enumerate(texts)]
+    replies = await asyncio.gather(*(cluster.stub.Generate(r, timeout=120) for r in requests))
+    for text, reply in zip(texts, replies):
+        assert tuple(reply.token_ids) == reference_greedy(target_path, text, len(reply.token_ids)), text
+    assert sum(n for size, n in batch_sizes.items() if size > 1) > before, "no forward ever held two sessions"
+
+
+async def test_a_seeded_request_is_unchanged_by_what_shares_its_batches(cluster):
+    seeded = pb.GenerateRequest(text="class Stack:", max_new_tokens=24, drafter="model",
+                                sampling=common_pb2.SamplingParams(temperature=1.0, seed=4242))
+    alone = await cluster.stub.Generate(seeded, timeout=60)
+    crowd = [request(text, 3, "ngram", temperature=0.7, seed=i) for i, text in enumerate(prompts(12))]
+    together, *_ = await asyncio.gather(cluster.stub.Generate(seeded, timeout=120),
+                                        *(cluster.stub.Generate(r, timeout=120) for r in crowd))
+    assert list(together.token_ids) == list(alone.token_ids)
