@@ -189,6 +189,10 @@ def _stale(snapshot: Snapshot, config: PolicyConfig, now: float) -> str | None:
 def wanted_target_replicas(snapshot: Snapshot, config: PolicyConfig) -> tuple[float | None, str]:
     """Target replicas the load asks for (None: no data), and why, with the numbers."""
     load = snapshot.target
+    requests = snapshot.requests
+    if snapshot.target_replicas == 0 and requests is not None and requests.running + requests.waiting > 0:
+        # A pool scaled to zero reports nothing: the orchestrators' requests are what says it is needed.
+        return 1.0, f"no verifier running, {requests.running + requests.waiting:.0f} requests at the orchestrators"
     if load is None or load.pods == 0:
         return None, "no verifier metrics"
     current = snapshot.target_replicas
@@ -197,7 +201,6 @@ def wanted_target_replicas(snapshot: Snapshot, config: PolicyConfig) -> tuple[fl
     if load.queued_steps > 0:
         votes.append((load.queued_steps / config.queued_steps_per_replica,
                       f"{load.queued_steps:.0f} queued rounds / {config.queued_steps_per_replica:g} per replica"))
-    requests = snapshot.requests
     notes = []
     if requests is not None and requests.waiting > 0:
         if requests.running > 0:
@@ -241,6 +244,9 @@ def wanted_draft_replicas(snapshot: Snapshot, config: PolicyConfig) -> tuple[flo
     target, draft = snapshot.target, snapshot.draft
     if target is None or target.pods == 0:
         return None, "no verifier metrics (draft demand is counted in verification rounds)"
+    if snapshot.draft_replicas == 0 and target.verify_rounds_per_s > 0:
+        # No drafter to measure a cost on: one replica, then its measurements size the pool.
+        return 1.0, f"no drafter running while verifiers run {target.verify_rounds_per_s:.1f} rounds/s"
     if draft is None or draft.pods == 0:
         return None, "no drafter metrics"
     rounds, per_round = target.verify_rounds_per_s, target.draft_tokens_per_round or 0.0
