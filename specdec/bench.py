@@ -169,6 +169,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="session store of the distributed orchestrator ('' keeps sessions in its memory)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model, in every method (default 1)")
     p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png (default ./bench-results)")
+    p.add_argument("--concurrency", help="instead: a load benchmark in one process at these levels, e.g. 1,4,16,64 "
+                                         "(load.json, load.png)")
+    p.add_argument("--modes", default="off,k1,k2,k3,adaptive",
+                   help="with --concurrency: off, kN, kN-seq (no drafting ahead), adaptive (default off,k1,k2,k3,adaptive)")
+    p.add_argument("--tokens-per-level", type=int, default=2048, help="with --concurrency: tokens each level x mode generates")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -191,6 +196,19 @@ def run(args: argparse.Namespace) -> int:
                          tuple(p.strip() for p in args.methods.split(",") if p.strip()), not args.skip_distributed,
                          args.redis_url, Path(args.out), source, args.threads)
     # Ctrl-C raises KeyboardInterrupt; make SIGTERM unwind the same way so `specdec up` is stopped.
+    if args.concurrency:
+        from specdec import bench_load
+
+        try:
+            levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+            modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+            for mode in modes:
+                bench_load.policy_for(mode)
+        except ValueError as exc:
+            raise UsageError(f"--concurrency takes comma-separated integers and --modes off/kN/kN-seq/adaptive: {exc}") from None
+        if not levels or min(levels) < 1 or args.tokens_per_level < 1:
+            raise UsageError("--concurrency levels and --tokens-per-level must be >= 1")
+        return bench_load.run(config, levels, modes, args.tokens_per_level, Path(args.out))
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         report = bench(config)

@@ -135,3 +135,25 @@ def test_the_distributed_path_runs_through_its_own_specdec_up(tiny_pair, tmp_pat
     assert list(rep["methods"]) == ["target_only", "dist_seq_k1", "dist_overlap_k1"] and rep["outputs_identical"]
     assert rep["methods"]["dist_seq_k1"]["counters"]["verify_steps"] >= 1
     assert "ready" in (tmp_path / "specdec-up.log").read_text()
+
+
+def test_concurrency_levels_run_every_mode_and_batch_sessions(tiny_pair, tmp_path, capsys):
+    target, draft = tiny_pair
+    code = cli.main(["bench", "--target", target, "--draft", draft, "--prompts", "3", "--max-new-tokens", "8",
+                     "--concurrency", "1,3", "--modes", "off,k1,adaptive", "--tokens-per-level", "24", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "load.json").read_text())
+    assert set(report["results"]) == {f"{n}/{m}" for n in (1, 3) for m in ("off", "k1", "adaptive")}
+    for figures in report["results"].values():
+        assert figures["tokens"] > 0 and figures["tokens_per_s"] > 0 and figures["itl_p99_ms"] >= figures["itl_p50_ms"]
+    assert report["results"]["1/off"]["mean_batch_sessions"] == 1.0
+    assert report["results"]["3/off"]["mean_batch_sessions"] > 1.0  # three clients shared target forwards
+    assert "adaptive_vs_best" in report["summary"]["3"]
+    assert (tmp_path / "load.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("flags", [["--concurrency", "1,x"], ["--concurrency", "0"], ["--concurrency", "1", "--modes", "k1,fast"]])
+def test_bad_concurrency_flags_are_usage_errors(tiny_pair, flags, capsys):
+    target, draft = tiny_pair
+    assert cli.main(["bench", "--target", target, "--draft", draft, *flags]) == 2
+    assert "--concurrency" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import logging
 import os
 import threading
@@ -22,7 +23,7 @@ from specdec.core.session_table import SessionTable
 from specdec.core.sessions import check_session_id
 from specdec.core.steps import DraftBlock, SessionSpec, StepOutcome, WorkerInfo, validate_prompt
 from specdec.draft.drafters import DraftConfig, Drafter, build_drafters, pick
-from specdec.draft.speculator import NUM_ALTERNATIVES, SessionSpeculator, Work
+from specdec.draft.speculator import JUST_IN_TIME, NUM_ALTERNATIVES, SessionSpeculator, Work
 
 if TYPE_CHECKING:
     from specdec.metrics import DrafterMetrics
@@ -44,6 +45,9 @@ class DraftEngine:
         self._opens: collections.deque[tuple[SessionSpec, Emit, Future]] = collections.deque()
         self._opening: set[str] = set()  # queued or prefilling; closing one of these abandons it
         self._turn = 0  # round-robin position over sessions for pre-drafts
+        # Set when a verifier starts waiting for a just-in-time block: a pre-draft in progress stops
+        # at its next token (a shorter block is still a block) so the waiting one goes first.
+        self._jit_pending = False
         self._stopped = False
         self.metrics = metrics
         if metrics is not None:
@@ -78,7 +82,10 @@ class DraftEngine:
     def outcome(self, session_id: str, outcome: StepOutcome) -> None:
         """Apply a verification step's outcome; raises (changing nothing) if it does not fit."""
         with self._lock:
-            self.sessions.get(session_id).on_outcome(outcome)
+            speculator = self.sessions.get(session_id)
+            speculator.on_outcome(outcome)
+            if speculator.wants_just_in_time():
+                self._jit_pending = True
             self._lock.notify()
 
     def close(self, session_id: str) -> bool:
@@ -139,12 +146,12 @@ class DraftEngine:
         if not ids:
             return None
         # Just-in-time blocks first (a verifier is waiting), then pre-drafts round-robin.
-        urgent = None
-        for sid in ids:
-            spec = self.sessions.peek(sid)
-            if spec is not None and spec.wants_just_in_time():
-                urgent = sid
-                break
+        waiting = [sid for sid in ids if (sp := self.sessions.peek(sid)) is not None and sp.wants_just_in_time()]
+        self._jit_pending = False  # whoever waits now is served first, below
+        together = self._just_in_time_together(waiting)
+        if together is not None:
+            return together
+        urgent = waiting[0] if waiting else None
         order = [urgent] if urgent else ids[self._turn % len(ids):] + ids[: self._turn % len(ids)]
         self._turn += 1
         for sid in order:
@@ -153,6 +160,37 @@ class DraftEngine:
             if work is not None:
                 return lambda: self._draft_now(sid, speculator, work)
         return None
+
+    def _just_in_time_together(self, waiting: list[str]) -> Callable[[], None] | None:
+        """Under the lock: the waiting sessions that can draft in one batched forward, as one job (None: fewer than two)."""
+        groups: dict[int, list[str]] = collections.defaultdict(list)
+        for sid in waiting:
+            key = getattr(self.sessions.peek(sid).session, "batch_key", None)
+            if key is not None:
+                groups[id(key)].append(sid)
+        group = max(groups.values(), key=len, default=[])
+        if len(group) < 2:
+            return None
+        jobs = []
+        for sid in group:
+            speculator = self.sessions.peek(sid)
+            work = speculator.next_work(batched=False)  # a just-in-time block: one sequence
+            if work is not None:
+                jobs.append((sid, speculator, work))
+        return (lambda: self._draft_together(jobs)) if jobs else None
+
+    def _draft_together(self, jobs: list[tuple[str, SessionSpeculator, Work]]) -> None:
+        from specdec.draft.model_drafter import propose_together
+
+        items = [(speculator.session, work.sequences[0], work.num_tokens) for _, speculator, work in jobs]
+        interrupts = [functools.partial(speculator.is_stale, work) for _, speculator, work in jobs]
+        proposals = propose_together(items, NUM_ALTERNATIVES, interrupts)
+        if self.metrics is not None:
+            self.metrics.observe_drafted(sum(len(p.token_ids) for p in proposals))
+        with self._lock:
+            for (sid, speculator, work), proposal in zip(jobs, proposals):
+                if self.sessions.peek(sid) is speculator:  # not closed while it drafted
+                    speculator.finish(work, [proposal])
 
     def _open_now(self, spec: SessionSpec, emit: Emit, done: Future) -> None:
         if not done.set_running_or_notify_cancel():
@@ -177,7 +215,11 @@ class DraftEngine:
 
     def _draft_now(self, session_id: str, speculator: SessionSpeculator, work: Work) -> None:
         session = speculator.session
-        interrupt = lambda: speculator.is_stale(work)  # noqa: E731
+        ahead = work.predrafts[0] is not JUST_IN_TIME
+
+        def interrupt() -> bool:  # a pre-draft yields to a verifier that is waiting now
+            return speculator.is_stale(work) or (ahead and self._jit_pending)
+
         proposals = None
         if len(work.sequences) > 1:
             proposals = session.propose_branches(work.sequences, work.num_tokens, NUM_ALTERNATIVES, interrupt)

@@ -19,7 +19,8 @@ from specdec.core import rng
 from specdec.core.branch_decode import BranchBatch
 from specdec.core.coupled import processed_logprobs
 from specdec.core.noise import gumbel_noise
-from specdec.core.kv import KVSequence
+from specdec.core.kv import KVSequence, logits_for_batch
+from specdec.core.runner import runner_for
 from specdec.core.llama_decode import LlamaDecoder, supports
 from specdec.core.models import LoadedModel, check_same_tokenizer, load_causal_lm
 from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from
@@ -36,8 +37,12 @@ def truncate_top_k(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
 
 
 class ModelDraftSession:
-    def __init__(self, model: torch.nn.Module, decoder: LlamaDecoder | None, sampling: SamplingParams, proposal_top_k: int) -> None:
-        self._kv = KVSequence(model, decoder)
+    def __init__(self, model: torch.nn.Module, decoder: LlamaDecoder | None, sampling: SamplingParams, proposal_top_k: int,
+                 runner=None) -> None:
+        self._kv = KVSequence(model, decoder, runner)  # the drafter's shared runner: sessions draft together
+        # Sessions with the same key can draft in one batched forward (propose_together): those of
+        # one drafter on the lean forward. None: one at a time.
+        self.batch_key = runner if decoder is not None and runner is not None else None
         self._sampling = sampling
         self._top_k = proposal_top_k
 
@@ -149,6 +154,42 @@ def resolve_draft_dtype(name: str) -> torch.dtype:
     return DRAFT_DTYPES[name]
 
 
+def propose_together(items: Sequence[tuple[ModelDraftSession, Sequence[int], int]], num_alternatives: int = 0,
+                     interrupts: Sequence[Callable[[], bool] | None] | None = None) -> list[DraftProposal]:
+    """`ModelDraftSession.propose` for many sessions of one drafter at once: one batched draft
+    forward per position, each session drafting ``num_tokens`` after its ``committed`` tokens.
+
+    Each session picks its tokens from its own logits with its own sampling and seed, exactly as
+    alone; a session whose interrupt fires (after its first token) or whose block is full drops
+    out of the later forwards."""
+    t0 = time.perf_counter_ns()
+    seqs = [list(committed) for _, committed, _ in items]
+    drafted: list[list[int]] = [[] for _ in items]
+    dists: list[list[SparseDistribution]] = [[] for _ in items]
+    alts: list[list[tuple[int, ...]]] = [[] for _ in items]
+    interrupts = interrupts or [None] * len(items)
+    active = [i for i, (_, _, n) in enumerate(items) if n > 0]
+    while active:
+        rows = logits_for_batch([(items[i][0]._kv, seqs[i], 1) for i in active])  # each [1, vocab]
+        still = []
+        for i, logits in zip(active, rows):
+            session, _, num_tokens = items[i]
+            token, dist, alt = session._pick(logits[0], len(seqs[i]), num_alternatives)
+            drafted[i].append(token)
+            seqs[i].append(token)
+            if dist is not None:
+                dists[i].append(dist)
+            if num_alternatives:
+                alts[i].append(alt)
+            stop = interrupts[i] is not None and interrupts[i]()
+            if len(drafted[i]) < num_tokens and not stop:
+                still.append(i)
+        active = still
+    elapsed = time.perf_counter_ns() - t0
+    return [DraftProposal(tuple(drafted[i]), tuple(dists[i]) if dists[i] else None, elapsed, tuple(alts[i]))
+            for i in range(len(items))]
+
+
 class ModelDrafter:
     name = "model"
 
@@ -160,9 +201,10 @@ class ModelDrafter:
         self._top_k = proposal_top_k
         # The lean decode path when the architecture allows; drafts need speed, not bit-exactness.
         self.decoder = LlamaDecoder(loaded.model, dtype=dtype) if fast and supports(loaded.model) else None
+        self.runner = runner_for(loaded.model, self.decoder)
 
     def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> ModelDraftSession:
-        session = ModelDraftSession(self.loaded.model, self.decoder, sampling, self._top_k)
+        session = ModelDraftSession(self.loaded.model, self.decoder, sampling, self._top_k, self.runner)
         session.prefill(prompt_ids)
         return session
 

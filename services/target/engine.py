@@ -12,6 +12,7 @@ import torch
 
 from specdec.core import rng
 from specdec.core.errors import InvalidRequest, Overloaded, SpecdecError
+from specdec.core.goodput import BatchCostModel
 from specdec.core.kv import KVSequence, logits_for_batch
 from specdec.core.llama_decode import PACK_ROWS, LlamaDecoder, supports
 from specdec.core.models import LoadedModel, load_causal_lm
@@ -214,6 +215,8 @@ class AsyncVerifierEngine:
         self._batcher: asyncio.Task | None = None
         self._arrived = asyncio.Event()
         self.batch_sizes: collections.Counter[int] = collections.Counter()  # sessions per forward, for benchmarks
+        self.batch_costs = BatchCostModel()  # what a verified row costs under the load now (core/goodput.py)
+        self._last_batch_end: float | None = None
         self.metrics = metrics
         if metrics is not None:
             metrics.watch(sessions=lambda: len(engine.sessions), kv_bytes=engine.kv_bytes_held,
@@ -256,6 +259,7 @@ class AsyncVerifierEngine:
             if not batch:
                 continue
             self.batch_sizes[len(batch)] += 1
+            started = time.perf_counter()
             try:
                 results = await self._run(self._verify_batch, [(sid, proposal) for sid, proposal, _ in batch])
             except BaseException as exc:  # a bug in the forward, or shutdown: every step of the batch hears it
@@ -265,6 +269,11 @@ class AsyncVerifierEngine:
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 continue
+            ended = time.perf_counter()
+            since = None if self._last_batch_end is None else ended - self._last_batch_end
+            self._last_batch_end = ended
+            self.batch_costs.observe(sum(len(p.token_ids) + 1 for _, p, _ in batch), ended - started,
+                                     sum(len(r.token_ids) for r in results if isinstance(r, VerifyOutcome)), since)
             for (_, _, done), result in zip(batch, results):
                 if not done.done():
                     done.set_exception(result) if isinstance(result, BaseException) else done.set_result(result)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from specdec.core.errors import InvalidRequest, SpecdecError
 from specdec.core.sessions import short_id
-from specdec.core.speculation import SpeculationController, StepTiming
+from specdec.core.goodput import load_cap
+from specdec.core.speculation import SpeculationController, SpeculationMode, StepTiming
 from specdec.core.steps import MAX_STEP_TOKENS, DraftLink, DraftProposal, SessionRun, SessionSpec, StepCommit, StepOutcome
 from specdec.target.engine import AsyncVerifierEngine
 
@@ -68,7 +69,7 @@ class VerifierLoop:
             if isinstance(opened[0], BaseException):
                 raise opened[0]
             self.link = opened[1] if not isinstance(opened[1], BaseException) else None
-            self.state.k = self._cap(self.controller.next_k())
+            self.state.k = self._cap(self._under_load(self.controller.next_k()))
             self._tell_drafter(())
             while True:
                 commit = await self._step()
@@ -106,6 +107,17 @@ class VerifierLoop:
                                                   return_exceptions=True), self.config.close_timeout_s)
         except asyncio.TimeoutError:
             log.warning("session %s: closing took over %.0fs", short_id(session_id), self.config.close_timeout_s)
+
+    def _under_load(self, k: int) -> int:
+        """Adaptive requests: no more drafts than pay for what they cost the batch (core/goodput.py)."""
+        costs = getattr(self.engine, "batch_costs", None)
+        policy = self.run.policy
+        if costs is None or policy.mode is not SpeculationMode.ADAPTIVE:
+            return k
+        mine = self.controller.costs
+        # Drafting costs the batch what it adds to this session's steps: the blocks it waited for.
+        per_token = costs.per_row_s + mine.miss.get(1.0) * mine.draft_per_token.get(costs.draft_per_token_s)
+        return min(k, load_cap(self.controller.alpha, per_token, costs.goodput_tokens_per_s, policy.max_speculative_tokens))
 
     def _cap(self, k: int) -> int:
         """No more drafts than the request and the context have room for (the step adds one token)."""
@@ -162,11 +174,14 @@ class VerifierLoop:
         timing = StepTiming(verify_s=outcome.verify_time_ns * 1e-9, wait_s=t_block - t0, step_s=t1 - t0,
                             draft_s=(block.proposal.draft_time_ns * 1e-9) if block is not None else 0.0, predrafted=predrafted)
         self.controller.observe(drafted, outcome.num_accepted, timing)
+        costs = getattr(self.engine, "batch_costs", None)
+        if costs is not None and drafted and timing.draft_s > 0:
+            costs.observe_draft(timing.draft_s / drafted)
         metrics = getattr(self.engine, "metrics", None)
         if metrics is not None:  # the draft wait only means something while a drafter is linked
             metrics.observe_round(drafted, outcome.num_accepted, t_block - t0 if self.link is not None else None)
         if not finished:
-            s.k = self._cap(self.controller.next_k())
+            s.k = self._cap(self._under_load(self.controller.next_k()))
             self._tell_drafter(outcome.token_ids)
         return StepCommit(tokens, drafted, outcome.num_accepted, len(s.committed), outcome.verify_time_ns,
                           int((t_block - t0) * 1e9), predrafted, finished)

@@ -1,0 +1,154 @@
+"""``specdec bench --concurrency 1,4,16,64``: many sessions at once, in one process.
+
+At each level, that many clients send requests back to back until the level has generated its
+share of tokens; the verifier batches the verify steps of every ready session. Per level and mode
+(speculation off, each fixed k, adaptive; alternated within a level, so the machine drifts less
+between them): aggregate tokens/s, time to first token and inter-token latency p50/p99, and the
+mean number of sessions per target forward. Writes load.json and load.png to --out.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def policy_for(mode: str) -> SpeculationPolicy:
+    """off | kN | kN-seq (fixed k, no drafting ahead) | adaptive."""
+    if mode == "off":
+        return SpeculationPolicy(SpeculationMode.FIXED, 0)
+    if mode == "adaptive":
+        return SpeculationPolicy(SpeculationMode.ADAPTIVE, 4, 8)
+    if mode.startswith("k") and mode.endswith("-seq"):
+        return SpeculationPolicy(SpeculationMode.FIXED, int(mode[1:-4]), overlap=False)
+    if mode.startswith("k"):
+        return SpeculationPolicy(SpeculationMode.FIXED, int(mode[1:]))
+    raise ValueError(f"unknown mode {mode!r}: off, kN, kN-seq or adaptive")
+
+
+async def run_level(orch, prompts: list[str], level: int, policy: SpeculationPolicy, max_new: int,
+                    requests_per_client: int) -> dict:
+    from specdec.orchestrator.request import GenerationRequest
+
+    ttft: list[float] = []
+    itl: list[float] = []
+    tokens = 0
+
+    async def client(c: int) -> None:
+        nonlocal tokens
+        for r in range(requests_per_client):
+            prompt = prompts[(c * requests_per_client + r) % len(prompts)]
+            started = last = time.perf_counter()
+            first = True
+            async for chunk in orch.generate(GenerationRequest(prompt_text=prompt, max_new_tokens=max_new, policy=policy)):
+                now, n = time.perf_counter(), len(chunk.token_ids)
+                if n:
+                    if first:
+                        ttft.append(now - started)
+                        first = False
+                    else:
+                        itl.extend([(now - last) / n] * n)  # n tokens after a gap: n gaps of gap / n
+                    last = now
+                    tokens += n
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(c) for c in range(level)))
+    elapsed = time.perf_counter() - t0
+    return {"tokens_per_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed,
+            "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
+            "itl_p50_ms": 1e3 * percentile(itl, 0.5), "itl_p99_ms": 1e3 * percentile(itl, 0.99)}
+
+
+async def load_bench(orch, prompts: list[str], levels: list[int], modes: list[str], max_new: int,
+                     tokens_per_level: int, log=print) -> dict:
+    """Every level x mode; returns {"level/mode": figures}."""
+    await run_level(orch, prompts, 2, policy_for("off"), 16, 1)  # warm-up: first-call costs out of the figures
+    results = {}
+    batches = orch.verifier.engine.batch_sizes
+    for level in levels:
+        per_client = max(1, round(tokens_per_level / (level * max_new)))
+        for mode in modes:
+            batches.clear()
+            r = await run_level(orch, prompts, level, policy_for(mode), max_new, per_client)
+            r["mean_batch_sessions"] = sum(s * n for s, n in batches.items()) / max(1, sum(batches.values()))
+            results[f"{level}/{mode}"] = r
+            log(f"{level:>3} {mode:>8}: {r['tokens_per_s']:7.1f} tok/s  ttft p50 {r['ttft_p50_ms']:7.1f} ms  "
+                f"itl p50 {r['itl_p50_ms']:6.1f} p99 {r['itl_p99_ms']:6.1f} ms  batch {r['mean_batch_sessions']:.1f}")
+    return results
+
+
+def summarize(results: dict, levels: list[int], modes: list[str]) -> dict:
+    """The issue's ratios: level n against level 1, adaptive against the better of off and the best fixed k."""
+    out = {}
+    fixed = [m for m in modes if m != "adaptive"]
+    for level in levels:
+        best_mode = max(fixed, key=lambda m: results[f"{level}/{m}"]["tokens_per_s"])
+        row = {"best_fixed": best_mode, "best_fixed_tokens_per_s": results[f"{level}/{best_mode}"]["tokens_per_s"]}
+        if "adaptive" in modes:
+            row["adaptive_vs_best"] = results[f"{level}/adaptive"]["tokens_per_s"] / row["best_fixed_tokens_per_s"]
+        for mode in modes:
+            row[f"{mode}_vs_level_1"] = results[f"{level}/{mode}"]["tokens_per_s"] / results[f"{levels[0]}/{mode}"]["tokens_per_s"]
+        out[str(level)] = row
+    return out
+
+
+def plot(results: dict, levels: list[int], modes: list[str], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in modes:
+        left.plot(levels, [results[f"{n}/{mode}"]["tokens_per_s"] for n in levels], marker="o", label=mode)
+        right.plot(levels, [results[f"{n}/{mode}"]["itl_p99_ms"] for n in levels], marker="o", label=mode)
+    for ax, title in ((left, "aggregate tokens/s"), (right, "inter-token latency p99 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(n) for n in levels])
+        ax.set_xlabel("concurrent sessions")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def run(config, levels: list[int], modes: list[str], tokens_per_level: int, out: Path) -> int:
+    """In one process: the same engines, threads and batching as the servers."""
+    from specdec import roles
+    from specdec.bench_common import machine
+    from specdec.draft.drafters import DraftConfig
+    from specdec.orchestrator.request import OrchestratorConfig
+    from specdec.target.engine import TargetConfig
+
+    orch = roles.embedded(TargetConfig(config.target, threads=config.threads),
+                          DraftConfig(config.draft, config.target, threads=config.threads),
+                          OrchestratorConfig(max_new_tokens_limit=max(2048, config.max_new_tokens),
+                                             max_concurrent_requests=max(levels) + 1))
+    results = asyncio.run(load_bench(orch, list(config.prompts), levels, modes, config.max_new_tokens, tokens_per_level,
+                                     log=lambda line: print(line, flush=True)))
+    summary = summarize(results, levels, modes)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "load.json").write_text(json.dumps({"machine": machine(), "max_new_tokens": config.max_new_tokens,
+                                               "levels": levels, "modes": modes, "results": results,
+                                               "summary": summary}, indent=2))
+    for level, row in summary.items():
+        ratio = f", adaptive {row['adaptive_vs_best']:.2f}x the best fixed ({row['best_fixed']})" if "adaptive_vs_best" in row else ""
+        print(f"{level:>3} sessions: best fixed {row['best_fixed']} {row['best_fixed_tokens_per_s']:.1f} tok/s{ratio}")
+    plotted = plot(results, levels, modes, out / "load.png")
+    print(f"wrote {out / 'load.json'}" + (f" and {out / 'load.png'}" if plotted else ""))
+    return 0

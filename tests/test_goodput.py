@@ -1,0 +1,41 @@
+"""Speculation length under load (core/goodput.py): the marginal rule and the batch cost model."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.core.goodput import BatchCostModel, load_cap
+
+
+@pytest.mark.parametrize("alpha, cost_ms, goodput, max_k, want", [
+    (0.7, 1.0, 100.0, 8, 6),   # alone: 0.7^6 = 0.118 > 0.1 = 1 ms x 100 tok/s; 0.7^7 = 0.082 is not
+    (0.7, 1.0, 450.0, 8, 2),   # 16 sessions: the price of a draft token is 0.45 tokens; 0.7^2 = 0.49 still pays
+    (0.7, 2.5, 450.0, 8, 0),   # ... at 2.5 ms a token costs more than any draft can win: plain decoding
+    (0.9, 1.0, 100.0, 8, 8),   # capped by the request's own maximum
+    (0.0, 1.0, 100.0, 8, 0),   # nothing is ever accepted
+    (1.0, 5.0, 1000.0, 8, 8),  # everything is accepted: always worth it
+    (0.7, 0.0, 100.0, 8, 8),   # free drafts
+])
+def test_a_draft_token_must_win_more_than_it_costs_the_batch(alpha, cost_ms, goodput, max_k, want):
+    assert load_cap(alpha, cost_ms / 1e3, goodput, max_k) == want
+
+
+def test_the_cap_falls_as_load_grows_and_comes_back_when_it_falls():
+    caps = [load_cap(0.75, 1.5e-3, g, 8) for g in (80, 160, 320, 640, 320, 80)]
+    assert caps[0] > caps[1] > caps[2] > caps[3] == 0
+    assert caps[4] == caps[2] and caps[5] == caps[0]
+
+
+def test_the_cost_of_a_row_is_fitted_from_batches_of_different_sizes():
+    model = BatchCostModel(rate=0.2)
+    for rows in (1, 3, 16, 48, 5, 30) * 10:
+        model.observe(rows, 0.010 + 0.0005 * rows, committed_tokens=rows)  # 10 ms + 0.5 ms a row
+    assert model.per_row_s == pytest.approx(0.0005, rel=1e-6)
+    assert model.goodput_tokens_per_s > 0
+
+
+def test_without_varied_batches_the_slope_falls_back_to_a_share_of_the_step():
+    model = BatchCostModel(prior_per_row_fraction=0.04)
+    for _ in range(20):
+        model.observe(3, 0.012, committed_tokens=2)
+    assert model.per_row_s == pytest.approx(0.04 * 0.012)
+    assert model.goodput_tokens_per_s == pytest.approx(2 / 0.012)
