@@ -17,9 +17,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specdec.core.errors import InvalidRequest, Overloaded, SessionNotFound
+from specdec.core.errors import InvalidRequest, SessionNotFound
 from specdec.core.sessions import SessionRecord, SessionStatus, SessionStore, SpecCounters, new_session_id, short_id
 from specdec.core.steps import SessionRun, SessionSpec, VerifyWorker, validate_prompt
+from specdec.orchestrator.admission import AdmissionQueue
 from specdec.orchestrator.detokenize import Detokenizer
 from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
 
@@ -71,7 +72,14 @@ class Orchestrator:
         self.drafter_address = drafter_address  # "" in one process: the verifier has its drafter at hand
         self.store = store
         self.config = config
-        self.running = 0
+        self.admission = AdmissionQueue(config.max_concurrent_requests, config.max_waiting_requests)
+        if metrics is not None:  # read at scrape time: the line and the running set are the admission's
+            metrics.requests_running.set_function(lambda: self.admission.running)
+            metrics.requests_waiting.set_function(lambda: self.admission.waiting)
+
+    @property
+    def running(self) -> int:
+        return self.admission.running
 
     async def session(self, session_id: str, owner: str) -> SessionRecord:
         """A session's record, for its owner only: anyone else is told it does not exist."""
@@ -91,16 +99,15 @@ class Orchestrator:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         """Run one request, yielding a chunk per step. Frees worker sessions however it ends."""
         request.validate(self.config)
-        if self.running >= self.config.max_concurrent_requests:
-            raise Overloaded(f"{self.running} requests running, the limit is {self.config.max_concurrent_requests}; retry later")
-        timer = self.metrics.start_request() if self.metrics is not None else None
+        timer = self.metrics.start_request() if self.metrics is not None else None  # TTFT includes the wait in line
         try:
-            # aclosing: when the client goes away, the inner generator's cleanup runs now, not at GC.
-            async with contextlib.aclosing(self._admitted(request)) as chunks:
-                async for chunk in chunks:
-                    if timer is not None:
-                        timer.tokens(len(chunk.token_ids))
-                    yield chunk
+            async with self.admission.slot():  # over the running limit: wait in line (full line: Overloaded)
+                # aclosing: when the client goes away, the inner generator's cleanup runs now, not at GC.
+                async with contextlib.aclosing(self._admitted(request)) as chunks:
+                    async for chunk in chunks:
+                        if timer is not None:
+                            timer.tokens(len(chunk.token_ids))
+                        yield chunk
         finally:
             if timer is not None:
                 timer.finish()
@@ -117,7 +124,6 @@ class Orchestrator:
         spec = SessionSpec(session_id, prompt_ids, sampling, drafter_name)
         run = SessionRun(spec, self.drafter_address, request.max_new_tokens, request.policy,
                          () if self.target.eos_token_id is None else (self.target.eos_token_id,))
-        self.running += 1
         status, reason = SessionStatus.FAILED, ""
         try:
             await self.store.create(record)
@@ -130,7 +136,6 @@ class Orchestrator:
             status = SessionStatus.CANCELLED
             raise
         finally:
-            self.running -= 1
             if status is not SessionStatus.FINISHED:
                 await self._mark(session_id, status, reason)
 

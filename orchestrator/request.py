@@ -17,6 +17,7 @@ class OrchestratorConfig:
     default_drafter: str = "model"
     default_policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
     max_concurrent_requests: int = 64
+    max_waiting_requests: int = 256  # in line for a running slot (FIFO); past that, RESOURCE_EXHAUSTED
     max_stop_sequences: int = 8
     max_stop_length: int = 64  # bytes of UTF-8
     max_prompt_token_ids: int = 1 << 18  # checked before the ids are copied out of the message

@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--verifier-address", default=f"127.0.0.1:{PORTS['target']}")
     serve.add_argument("--redis-url", default=os.environ.get(ENV_REDIS), help=f"session store (default ${ENV_REDIS}; none: in memory)")
     serve.add_argument("--max-new-tokens-limit", type=int, default=2048)
-    serve.add_argument("--max-concurrent-requests", type=int, default=64)
+    serve.add_argument("--max-concurrent-requests", type=int, default=64, help="orchestrator: requests generating at once")
+    serve.add_argument("--max-waiting-requests", type=int, default=256,
+                       help="orchestrator: requests waiting in line (FIFO) for a running slot; past that RESOURCE_EXHAUSTED")
     serve.add_argument("--max-prompt-bytes", type=int, default=1 << 20, help="orchestrator: longest prompt text, checked before tokenizing")
     serve.add_argument("--no-draft-model", action="store_true", help="draft role: serve only model-free drafters")
     serve.add_argument("--max-sessions", type=int, default=256, help="draft/target: sessions open at once on this worker")
@@ -325,6 +327,7 @@ async def _serve(args) -> int:
         from specdec.orchestrator.request import OrchestratorConfig
 
         config = OrchestratorConfig(max_new_tokens_limit=args.max_new_tokens_limit, max_concurrent_requests=args.max_concurrent_requests,
+                                    max_waiting_requests=args.max_waiting_requests,
                                     max_prompt_bytes=args.max_prompt_bytes)
         store = roles.make_store(args.redis_url, config.session_ttl_s)
         upstreams = roles.Upstreams(args.drafter_address, args.verifier_address, model_path(args.target, ENV_TARGET, "target"),

@@ -16,9 +16,10 @@ from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 from cluster import LOOPBACK
 
 
-async def test_over_capacity_is_resource_exhausted_not_queued(cluster):
+async def test_over_capacity_with_a_full_line_is_resource_exhausted(cluster):
     live = cluster.orchestrator
-    orch = Orchestrator(live.target, live.verifier, cluster.store, OrchestratorConfig(max_concurrent_requests=1), live.drafter_address)
+    orch = Orchestrator(live.target, live.verifier, cluster.store, OrchestratorConfig(max_concurrent_requests=1, max_waiting_requests=0),
+                        live.drafter_address)
     server = await start_server(LOOPBACK, register(orch), ["specdec.v1.Generation"])
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
@@ -28,7 +29,7 @@ async def test_over_capacity_is_resource_exhausted_not_queued(cluster):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(pb.GenerateRequest(text="x = 1", max_new_tokens=4, drafter="ngram"))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "retry" in err.value.details()
+            assert "1 requests running and 0 waiting" in err.value.details() and "retry" in err.value.details()
             first.cancel()
     finally:
         await server.stop(0)
@@ -123,3 +124,116 @@ def test_model_free_drafter_keeps_at_most_its_session_cap():
     finally:
         engine.close(sid)
         engine.shutdown()
+
+
+# ----------------------------------------------------------------------------- the waiting line
+
+
+async def test_requests_over_the_limit_wait_in_line_first_come_first_served(cluster):
+    live = cluster.orchestrator
+    orch = Orchestrator(live.target, live.verifier, cluster.store, OrchestratorConfig(max_concurrent_requests=1, max_waiting_requests=2),
+                        live.drafter_address)
+    server = await start_server(LOOPBACK, register(orch), ["specdec.v1.Generation"])
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            first = stub.GenerateStream(pb.GenerateRequest(text="def f():", max_new_tokens=200, drafter="ngram"))
+            await first.read()
+            done: list[str] = []
+
+            async def waiter(name: str) -> None:
+                reply = await stub.Generate(pb.GenerateRequest(text="x = 1", max_new_tokens=3, drafter="ngram"), timeout=60)
+                assert len(reply.token_ids) == 3
+                done.append(name)
+
+            second = asyncio.ensure_future(waiter("second"))
+            await asyncio.sleep(0.2)
+            third = asyncio.ensure_future(waiter("third"))
+            for _ in range(50):
+                if orch.admission.waiting == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert orch.admission.waiting == 2 and orch.running == 1  # both wait; neither failed
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # the line is full
+                await stub.Generate(pb.GenerateRequest(text="y = 2", max_new_tokens=3, drafter="ngram"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 waiting" in err.value.details()
+            first.cancel()
+            await asyncio.gather(second, third)
+            assert done == ["second", "third"]  # first come, first served
+            assert orch.running == 0 and orch.admission.waiting == 0
+    finally:
+        await server.stop(0)
+
+
+async def test_a_deadline_that_passes_in_line_leaves_the_line(cluster):
+    live = cluster.orchestrator
+    orch = Orchestrator(live.target, live.verifier, cluster.store, OrchestratorConfig(max_concurrent_requests=1, max_waiting_requests=4),
+                        live.drafter_address)
+    server = await start_server(LOOPBACK, register(orch), ["specdec.v1.Generation"])
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            first = stub.GenerateStream(pb.GenerateRequest(text="def f():", max_new_tokens=200, drafter="ngram"))
+            await first.read()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(pb.GenerateRequest(text="x = 1", max_new_tokens=3, drafter="ngram"), timeout=0.5)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            for _ in range(50):
+                if orch.admission.waiting == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert orch.admission.waiting == 0 and orch.running == 1  # it left the line and took no slot
+            first.cancel()
+    finally:
+        await server.stop(0)
+    for _ in range(50):
+        if await cluster.active_sessions() == (0, 0) and orch.running == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert orch.running == 0
+
+
+async def test_the_line_hands_slots_over_in_order_and_skips_who_left():
+    from specdec.orchestrator.admission import AdmissionQueue
+
+    line = AdmissionQueue(max_running=1, max_waiting=3)
+    order: list[str] = []
+    release_first = asyncio.Event()
+
+    async def request(name: str, hold: asyncio.Event | None = None) -> None:
+        async with line.slot():
+            order.append(name)
+            if hold is not None:
+                await hold.wait()
+
+    first = asyncio.ensure_future(request("a", release_first))
+    await asyncio.sleep(0)
+    b, c, d = (asyncio.ensure_future(request(n)) for n in "bcd")
+    await asyncio.sleep(0)
+    assert line.running == 1 and line.waiting == 3
+    c.cancel()  # gave up while waiting
+    await asyncio.sleep(0)
+    release_first.set()
+    await asyncio.gather(first, b, d)
+    assert order == ["a", "b", "d"] and line.running == 0 and line.waiting == 0
+
+
+async def test_over_the_kv_budget_a_new_session_waits_for_room_instead_of_failing(tiny_pair):
+    import secrets
+
+    from specdec.core.errors import Overloaded
+    from specdec.core.sampling import SamplingParams
+    from specdec.core.steps import SessionSpec
+    from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
+
+    engine = AsyncVerifierEngine(VerifierEngine.from_config(TargetConfig(tiny_pair[0], max_kv_tokens=100, kv_wait_s=5.0)))
+    spec = lambda: SessionSpec(secrets.token_hex(16), (1, 2, 3, 4), SamplingParams(seed=1), "ngram")  # noqa: E731
+    first = spec()
+    await engine.open(first, max_new_tokens=60)  # 64 of 100
+    waiting = asyncio.ensure_future(engine.open(spec(), max_new_tokens=40))  # 44 more: does not fit yet
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # waiting, not failed
+    await engine.close(first.session_id)
+    await asyncio.wait_for(waiting, 5)  # opened once the first one's room was free
+    with pytest.raises(Overloaded, match="whole budget of 100"):  # can never fit: refused at once
+        await asyncio.wait_for(engine.open(spec(), max_new_tokens=200), 2)

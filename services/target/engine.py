@@ -47,10 +47,19 @@ class TargetConfig:
     # Continuous batching: the verify steps that arrive while a batch runs form the next batch (no
     # waiting when idle, so one session alone pays nothing), up to this many sessions per forward.
     max_batch_sessions: int = 64
+    kv_wait_s: float = 30.0  # over the KV budget, a new session waits this long for room before RESOURCE_EXHAUSTED
     # Sessions whose steps came back together re-submit a moment apart (each passes through the event
     # loop): wait this long at most for every open session to be ready, so a batch is not split in
     # two halves that alternate. One session alone never waits (it is all the open sessions).
     batch_wait_s: float = 0.003
+
+
+class KVBudgetFull(Overloaded):
+    """Over the verifier's KV budget now; ``ever_fits`` says whether it would fit once others close."""
+
+    def __init__(self, message: str, ever_fits: bool) -> None:
+        super().__init__(message)
+        self.ever_fits = ever_fits
 
 
 @dataclass
@@ -188,10 +197,13 @@ class VerifierEngine:
     def _check_kv_budget(self, reserve: int) -> None:
         self.sessions.reap_idle()  # an expired session's reservation is free again
         held, budget = self.kv_reserved_tokens(), self.kv_budget_tokens
+        if reserve > budget:
+            raise KVBudgetFull(f"this session needs {reserve} KV tokens (prompt + max_new_tokens), more than this verifier's "
+                               f"whole budget of {budget}: ask for fewer tokens", ever_fits=False)
         if held + reserve > budget:
-            raise Overloaded(f"this verifier's KV budget is {budget} tokens and {held} are reserved by {len(self.sessions)} "
-                             f"sessions; this one needs {reserve} (prompt + max_new_tokens): retry later, on another replica, "
-                             "or ask for fewer tokens")
+            raise KVBudgetFull(f"this verifier's KV budget is {budget} tokens and {held} are reserved by {len(self.sessions)} "
+                               f"sessions; this one needs {reserve} (prompt + max_new_tokens): retry later, on another "
+                               "replica, or ask for fewer tokens", ever_fits=True)
 
     def status(self) -> WorkerInfo:
         self.sessions.reap_idle()
@@ -214,6 +226,7 @@ class AsyncVerifierEngine:
         self._waiting: collections.deque[tuple[str, DraftProposal, asyncio.Future]] = collections.deque()
         self._batcher: asyncio.Task | None = None
         self._arrived = asyncio.Event()
+        self._freed = asyncio.Event()
         self.batch_sizes: collections.Counter[int] = collections.Counter()  # sessions per forward, for benchmarks
         self.batch_costs = BatchCostModel()  # what a verified row costs under the load now (core/goodput.py)
         self._last_batch_end: float | None = None
@@ -223,7 +236,22 @@ class AsyncVerifierEngine:
                           queued_steps=lambda: len(self._waiting) + self._run.pending)
 
     async def open(self, spec: SessionSpec, max_new_tokens: int | None = None) -> int:
-        return await self._run(self.engine.open, spec, max_new_tokens)
+        """Open (prefill) a session. Over the KV budget, wait (up to ``kv_wait_s``) for sessions to
+        close rather than fail: the budget is what this worker holds, not a reason to turn work away."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.engine.config.kv_wait_s
+        while True:
+            try:
+                return await self._run(self.engine.open, spec, max_new_tokens)
+            except KVBudgetFull as exc:
+                left = deadline - loop.time()
+                if not exc.ever_fits or left <= 0:
+                    raise
+                self._freed.clear()
+                try:
+                    await asyncio.wait_for(self._freed.wait(), left)
+                except asyncio.TimeoutError:
+                    pass  # one last try, then the error says why
 
     async def verify(self, session_id: str, proposal: DraftProposal) -> VerifyOutcome:
         done = asyncio.get_running_loop().create_future()
@@ -285,7 +313,9 @@ class AsyncVerifierEngine:
             return self.engine.verify_batch(steps)
 
     async def close(self, session_id: str) -> bool:
-        return await self._run(self.engine.close, session_id)
+        closed = await self._run(self.engine.close, session_id)
+        self._freed.set()  # a session waiting for KV room may fit now
+        return closed
 
     async def status(self) -> WorkerInfo:
         return await self._run(self.engine.status)
