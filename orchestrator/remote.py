@@ -58,18 +58,23 @@ class RemoteVerifyWorker(RemoteWorker):
     """The VerifyWorker protocol over the Verifier's Generate stream."""
 
     def __init__(self, address: str, timeout_s: float = 30.0, service_token: str | None = None,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, step_timeout_s: float | None = None) -> None:
+        """``timeout_s``: for the first step (it includes the prefill, and a wait for KV room);
+        ``step_timeout_s``: for every later one (default: the same)."""
         super().__init__(address, "target", timeout_s, service_token, tls)
+        self._step_timeout = step_timeout_s or timeout_s
 
     async def run(self, run: SessionRun) -> AsyncIterator[StepCommit]:
         call = self._stub.Generate(wire.run_to_pb(run), timeout=_timeout(None), metadata=self._metadata)
+        limit = self._timeout
         try:
             while True:
-                # A worker that stops answering is as good as gone: each step gets timeout_s.
+                # A worker that stops answering is as good as gone (a pool moves the session on).
                 try:
-                    msg = await asyncio.wait_for(call.read(), self._timeout)
+                    msg = await asyncio.wait_for(call.read(), limit)
                 except asyncio.TimeoutError:
-                    raise WorkerUnavailable(f"Verifier at {self.address}: no step within {self._timeout:g}s") from None
+                    raise WorkerUnavailable(f"Verifier at {self.address}: no step within {limit:g}s") from None
+                limit = self._step_timeout
                 if msg is grpc.aio.EOF:
                     return
                 yield wire.commit_from_pb(msg)

@@ -96,7 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--health-port", type=int, default=None,
                        help="also serve grpc.health.v1, and only it, in plaintext on this port (probes that cannot do TLS)")
     serve.add_argument("--drafter-address", default=f"127.0.0.1:{PORTS['draft']}")
-    serve.add_argument("--verifier-address", default=f"127.0.0.1:{PORTS['target']}")
+    serve.add_argument("--verifier-address", default=f"127.0.0.1:{PORTS['target']}",
+                       help="orchestrator: a verifier, or several comma-separated (each session on the least loaded; "
+                            "moved to another if its own fails)")
+    serve.add_argument("--step-timeout-s", type=float, default=5.0,
+                       help="orchestrator: a verifier silent this long mid-session is taken for gone")
     serve.add_argument("--redis-url", default=os.environ.get(ENV_REDIS), help=f"session store (default ${ENV_REDIS}; none: in memory)")
     serve.add_argument("--max-new-tokens-limit", type=int, default=2048)
     serve.add_argument("--max-concurrent-requests", type=int, default=64, help="orchestrator: requests generating at once")
@@ -331,7 +335,7 @@ async def _serve(args) -> int:
                                     max_prompt_bytes=args.max_prompt_bytes)
         store = roles.make_store(args.redis_url, config.session_ttl_s)
         upstreams = roles.Upstreams(args.drafter_address, args.verifier_address, model_path(args.target, ENV_TARGET, "target"),
-                                    service_token=token, tls=tls)
+                                    service_token=token, tls=tls, step_timeout_s=args.step_timeout_s)
         running, _ = await roles.start_orchestrator(config, upstreams, store, server, registry=registry)
     extra = "".join([f", health on {running.health_address}" if running.health_address else "",
                      f", metrics on :{metrics_server.port}/metrics" if metrics_server else ""])

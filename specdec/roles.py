@@ -85,7 +85,8 @@ class Upstreams:
     drafter_address: str
     verifier_address: str
     tokenizer_path: str  # the target's tokenizer (usually the target model folder)
-    timeout_s: float = 30.0
+    timeout_s: float = 30.0  # a worker's first answer (a session's first step includes its prefill)
+    step_timeout_s: float = 5.0  # each later step: a verifier silent this long is taken for gone
     service_token: str | None = None  # shown to the workers, which admit only the deployment
     tls: TlsFiles | None = None  # mutual TLS to the workers: our certificate, their CA
 
@@ -95,10 +96,15 @@ async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, s
     from transformers import AutoTokenizer
 
     from specdec.orchestrator import servicer
+    from specdec.orchestrator.pool import VerifierPool
     from specdec.orchestrator.remote import RemoteVerifyWorker, RemoteWorker
 
     drafter = RemoteWorker(upstreams.drafter_address, "draft", upstreams.timeout_s, upstreams.service_token, upstreams.tls)
-    verifier = RemoteVerifyWorker(upstreams.verifier_address, upstreams.timeout_s, upstreams.service_token, upstreams.tls)
+    addresses = [a.strip() for a in upstreams.verifier_address.split(",") if a.strip()]
+    replicas = [RemoteVerifyWorker(a, upstreams.timeout_s, upstreams.service_token, upstreams.tls, upstreams.step_timeout_s)
+                for a in addresses]
+    # Several verifiers: each session on the least-loaded, moved to another if its own fails.
+    verifier = replicas[0] if len(replicas) == 1 else VerifierPool(replicas)
     status = await _wait_for(verifier.status, wait_s, f"verifier at {upstreams.verifier_address}")
     draft_status = await _wait_for(drafter.status, wait_s, f"drafter at {upstreams.drafter_address}")
     await drafter.aclose()

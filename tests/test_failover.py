@@ -1,0 +1,95 @@
+"""A pool of verifiers (real gRPC servers, TLS on): sessions go to the least-loaded replica, and one
+whose verifier dies mid-stream resumes on another from its committed tokens, giving exactly the
+tokens an uninterrupted run gives (greedy, and seeded sampling under the coupled rule)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+from specdec import roles
+from specdec.core.errors import WorkerUnavailable
+from specdec.core.sampling import SamplingParams
+from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+from specdec.orchestrator.loop import Orchestrator, collect
+from specdec.orchestrator.pool import VerifierPool
+from specdec.orchestrator.remote import RemoteVerifyWorker
+from specdec.orchestrator.request import GenerationRequest
+from specdec.target.engine import TargetConfig
+
+from test_e2e import reference_greedy
+
+PROMPT = "def f():"
+
+
+@pytest_asyncio.fixture
+async def two_verifiers(cluster, tiny_pair):
+    """Two fresh verifier servers (killing one must not touch the shared cluster) and an
+    orchestrator over a pool of both, streaming drafts from the cluster's drafter."""
+    target_path, _ = tiny_pair
+    started = [await roles.start_target(TargetConfig(target_path), cluster.worker_server()) for _ in range(2)]
+    replicas = [RemoteVerifyWorker(server.address, timeout_s=30, tls=cluster.tls, step_timeout_s=5) for server, _ in started]
+    pool = VerifierPool(replicas, status_ttl_s=0.0)
+    live = cluster.orchestrator
+    orch = Orchestrator(live.target, pool, cluster.store, live.config, live.drafter_address)
+    yield orch, pool, started
+    for server, _ in started:
+        await server.stop(0)
+    await pool.aclose()
+
+
+def request(max_new: int, **sampling) -> GenerationRequest:
+    return GenerationRequest(prompt_text=PROMPT, max_new_tokens=max_new, drafter="model",
+                             sampling=SamplingParams(**sampling), policy=SpeculationPolicy(SpeculationMode.FIXED, 3))
+
+
+async def run_killing_after(orch, started, req: GenerationRequest, chunks_before_kill: int) -> tuple[list[int], int]:
+    """Stream ``req``; after some chunks, stop the verifier holding the session. (tokens, which was stopped)."""
+    ids: list[int] = []
+    killed = None
+    n = 0
+    async for chunk in orch.generate(req):
+        ids.extend(chunk.token_ids)
+        n += 1
+        if killed is None and n == chunks_before_kill:
+            for i, (server, verifier) in enumerate(started):
+                if (await verifier.status()).active_sessions:
+                    killed = i
+                    await server.stop(0)  # its streams end at once, as when the process dies
+                    break
+    return ids, killed
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 31}], ids=["greedy", "coupled-seeded"])
+async def test_a_verifier_dying_mid_stream_costs_only_a_pause(two_verifiers, tiny_pair, sampling):
+    orch, pool, started = two_verifiers
+    req = request(120, **sampling)
+    if sampling:  # the uninterrupted run of the same seed, on the same pool
+        _, expected, _ = await collect(orch.generate(req))
+    else:
+        expected = reference_greedy(tiny_pair[0], PROMPT, 120)
+    ids, killed = await run_killing_after(orch, started, req, chunks_before_kill=4)
+    assert killed is not None, "no verifier held the session"
+    assert tuple(ids) == tuple(expected)
+    assert pool.failovers == 1
+    assert orch.running == 0
+
+
+async def test_new_sessions_go_to_the_least_loaded_replica(two_verifiers):
+    orch, pool, started = two_verifiers
+    long_runs = [orch.generate(request(200)) for _ in range(2)]
+    first = [await anext(run) for run in long_runs]  # both sessions open now
+    assert all(c.token_ids for c in first)
+    assert [(await v.status()).active_sessions for _, v in started] == [1, 1]  # one on each, not both on one
+    for run in long_runs:
+        await run.aclose()
+
+
+async def test_when_every_replica_is_gone_the_client_hears_unavailable(two_verifiers):
+    orch, pool, started = two_verifiers
+    for server, _ in started:
+        await server.stop(0)
+    with pytest.raises(WorkerUnavailable):
+        await collect(orch.generate(request(8)))
+    assert orch.running == 0
