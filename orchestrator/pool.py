@@ -1,6 +1,7 @@
 """A pool of verifier replicas: each session runs on the least-loaded one, and moves on failure.
 
-A session is placed on the replica with the fewest open sessions (their WorkerStatus, refreshed
+Replicas come from addresses and from names that resolve to many (a headless Service), looked up
+again now and then. A session is placed on the replica with the fewest open sessions (their WorkerStatus, refreshed
 at most every ``status_ttl_s``) and kept there. When that replica becomes unreachable or stops
 answering mid-stream, the session resumes on another replica from what it has committed: the
 prompt plus every committed token becomes the new replica's prompt, with the tokens still to
@@ -13,9 +14,11 @@ target's distribution, not necessarily the very same tokens.)
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 from specdec.core.errors import WorkerUnavailable
@@ -25,83 +28,136 @@ from specdec.core.steps import SessionRun, StepCommit, VerifyWorker, WorkerInfo
 log = logging.getLogger(__name__)
 
 
-class VerifierPool:
-    """The VerifyWorker protocol over many replicas."""
+def expand(address: str) -> list[tuple[str, str | None]]:
+    """``host:port`` -> (``ip:port``, host) for every address the name resolves to, as a Kubernetes
+    headless Service resolves to its ready pods; an IP literal is itself (no name to verify)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+        return [(address, None)]
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, ValueError):
+        return []  # not resolvable now (no ready pod yet): looked up again at the next refresh
+    out = []
+    for family, *_, sockaddr in infos:
+        ip = sockaddr[0]
+        target = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+        if (target, host) not in out:
+            out.append((target, host))
+    return out
 
-    def __init__(self, replicas: Sequence[VerifyWorker], status_ttl_s: float = 1.0) -> None:
-        if not replicas:
-            raise ValueError("a verifier pool needs at least one replica")
-        self.replicas = list(replicas)
-        self._ttl = status_ttl_s
-        self._load: dict[int, float] = {}  # replica index -> open sessions (inf: unreachable)
+
+class VerifierPool:
+    """The VerifyWorker protocol over many replicas, found from addresses and names.
+
+    ``make_replica(address, server_name)`` opens one replica's client; ``resolve`` (default:
+    `expand`) turns a configured address into replicas, again every ``resolve_every_s``, so pods
+    that come and go behind a name are followed.
+    """
+
+    def __init__(self, addresses: Sequence[str], make_replica: Callable[[str, str | None], VerifyWorker],
+                 status_ttl_s: float = 1.0, resolve_every_s: float = 10.0,
+                 resolve: Callable[[str], list[tuple[str, str | None]]] = expand) -> None:
+        if not addresses:
+            raise ValueError("a verifier pool needs at least one address")
+        self._names = list(addresses)
+        self._make, self._resolve = make_replica, resolve
+        self._ttl, self._resolve_every = status_ttl_s, resolve_every_s
+        self.replicas: dict[str, VerifyWorker] = {}
+        self._retired: list[VerifyWorker] = []
+        self._resolved_at = float("-inf")
+        self._load: dict[str, float] = {}  # replica -> open sessions as last reported (inf: unreachable)
         self._checked_at = float("-inf")
-        self._placed: dict[int, int] = {}  # sessions this orchestrator placed and still runs, per replica
+        self._placed: dict[str, int] = {}  # sessions this orchestrator runs there now
         self.failovers = 0
+        self._discover()
+
+    def _discover(self) -> None:
+        self._resolved_at = time.monotonic()
+        found: dict[str, str | None] = {}
+        for name in self._names:
+            for address, server_name in self._resolve(name):
+                found.setdefault(address, server_name)
+        for address, server_name in found.items():
+            if address not in self.replicas:
+                self.replicas[address] = self._make(address, server_name)
+                self._checked_at = float("-inf")  # a new replica: ask everyone's load again
+        for address in [a for a in self.replicas if a not in found and not self._placed.get(a)]:
+            self._retired.append(self.replicas.pop(address))  # gone from the name and idle here
+            self._load.pop(address, None)
 
     async def status(self) -> WorkerInfo:
         """The first replica that answers (they serve one model)."""
         last: Exception | None = None
-        for replica in self.replicas:
+        if not self.replicas:
+            self._discover()
+        for replica in list(self.replicas.values()):
             try:
                 return await replica.status()
             except WorkerUnavailable as exc:
                 last = exc
-        raise WorkerUnavailable(f"no verifier of the pool answers: {last}")
+        raise WorkerUnavailable(f"no verifier of the pool {', '.join(self._names)} answers: {last}")
 
     async def _refresh(self) -> None:
+        if time.monotonic() - self._resolved_at >= self._resolve_every:
+            self._discover()
         if time.monotonic() - self._checked_at < self._ttl:
             return
         self._checked_at = time.monotonic()
 
-        async def load(i: int) -> float:
+        async def load(address: str) -> float:
             try:
-                return float((await asyncio.wait_for(self.replicas[i].status(), 2.0)).active_sessions)
+                return float((await asyncio.wait_for(self.replicas[address].status(), 2.0)).active_sessions)
             except (WorkerUnavailable, asyncio.TimeoutError):
                 return float("inf")
 
-        loads = await asyncio.gather(*(load(i) for i in range(len(self.replicas))))
-        self._load = dict(enumerate(loads))
+        addresses = list(self.replicas)
+        self._load = dict(zip(addresses, await asyncio.gather(*(load(a) for a in addresses))))
 
-    async def _pick(self, avoid: set[int]) -> int:
-        if len(self.replicas) == 1:
-            return 0
+    async def _pick(self, avoid: set[str]) -> str:
         await self._refresh()
-        candidates = [i for i in range(len(self.replicas)) if i not in avoid] or list(range(len(self.replicas)))
+        if not self.replicas:
+            raise WorkerUnavailable(f"no verifier found at {', '.join(self._names)}")
+        candidates = [a for a in self.replicas if a not in avoid] or list(self.replicas)
         # Open sessions as last reported, plus those placed since: fresh placements spread out too.
-        return min(candidates, key=lambda i: (self._load.get(i, 0.0) + self._placed.get(i, 0), i))
+        return min(candidates, key=lambda a: (self._load.get(a, 0.0) + self._placed.get(a, 0), a))
 
     async def run(self, run: SessionRun) -> AsyncIterator[StepCommit]:
         committed: list[int] = []  # what the session has committed so far, over every replica
-        failed: set[int] = set()
+        failed: set[str] = set()
         current = run
         while True:
-            index = await self._pick(failed)
-            self._placed[index] = self._placed.get(index, 0) + 1
-            steps = self.replicas[index].run(current)
+            address = await self._pick(failed)
+            self._placed[address] = self._placed.get(address, 0) + 1
+            steps = self.replicas[address].run(current)
             try:
                 async for step in steps:
                     committed.extend(step.token_ids)
                     yield step
                 return
             except WorkerUnavailable as exc:
-                failed.add(index)
-                self._load[index] = float("inf")
-                if len(failed) >= len(self.replicas):
+                failed.add(address)
+                self._load[address] = float("inf")
+                if failed >= set(self.replicas):
                     raise
                 remaining = run.max_new_tokens - len(committed)
                 if remaining <= 0:
                     return
                 self.failovers += 1
-                log.warning("session %s: verifier %d failed (%s); resuming on another replica after %d tokens",
-                            short_id(run.spec.session_id), index, exc, len(committed))
+                log.warning("session %s: verifier %s failed (%s); resuming on another replica after %d tokens",
+                            short_id(run.spec.session_id), address, exc, len(committed))
                 spec = replace(run.spec, prompt_ids=tuple(run.spec.prompt_ids) + tuple(committed))
                 current = replace(run, spec=spec, max_new_tokens=remaining)
             finally:
-                self._placed[index] -= 1
+                self._placed[address] -= 1
                 await steps.aclose()
 
     async def aclose(self) -> None:
-        for replica in self.replicas:
+        for replica in (*self.replicas.values(), *self._retired):
             close = getattr(replica, "aclose", None)
             if close is not None:
                 await close()

@@ -33,11 +33,11 @@ class RemoteWorker:
     """GetWorkerStatus of a draft or target worker (``kind`` picks the stub)."""
 
     def __init__(self, address: str, kind: str, timeout_s: float = 30.0, service_token: str | None = None,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, server_name: str | None = None) -> None:
         self.address = address
         self._timeout = timeout_s
         self._metadata = call_metadata(service_token)
-        self._channel = internal_channel(address, tls)
+        self._channel = internal_channel(address, tls, server_name)
         stub = drafter_pb2_grpc.DrafterStub if kind == "draft" else verifier_pb2_grpc.VerifierStub
         self._stub = stub(self._channel)
         self._name = "Drafter" if kind == "draft" else "Verifier"
@@ -58,10 +58,10 @@ class RemoteVerifyWorker(RemoteWorker):
     """The VerifyWorker protocol over the Verifier's Generate stream."""
 
     def __init__(self, address: str, timeout_s: float = 30.0, service_token: str | None = None,
-                 tls: TlsFiles | None = None, step_timeout_s: float | None = None) -> None:
+                 tls: TlsFiles | None = None, step_timeout_s: float | None = None, server_name: str | None = None) -> None:
         """``timeout_s``: for the first step (it includes the prefill, and a wait for KV room);
         ``step_timeout_s``: for every later one (default: the same)."""
-        super().__init__(address, "target", timeout_s, service_token, tls)
+        super().__init__(address, "target", timeout_s, service_token, tls, server_name)
         self._step_timeout = step_timeout_s or timeout_s
 
     async def run(self, run: SessionRun) -> AsyncIterator[StepCommit]:

@@ -96,15 +96,20 @@ async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, s
     from transformers import AutoTokenizer
 
     from specdec.orchestrator import servicer
-    from specdec.orchestrator.pool import VerifierPool
+    from specdec.orchestrator.pool import VerifierPool, expand
     from specdec.orchestrator.remote import RemoteVerifyWorker, RemoteWorker
 
     drafter = RemoteWorker(upstreams.drafter_address, "draft", upstreams.timeout_s, upstreams.service_token, upstreams.tls)
     addresses = [a.strip() for a in upstreams.verifier_address.split(",") if a.strip()]
-    replicas = [RemoteVerifyWorker(a, upstreams.timeout_s, upstreams.service_token, upstreams.tls, upstreams.step_timeout_s)
-                for a in addresses]
-    # Several verifiers: each session on the least-loaded, moved to another if its own fails.
-    verifier = replicas[0] if len(replicas) == 1 else VerifierPool(replicas)
+
+    def replica(address: str, server_name: str | None = None) -> RemoteVerifyWorker:
+        return RemoteVerifyWorker(address, upstreams.timeout_s, upstreams.service_token, upstreams.tls,
+                                  upstreams.step_timeout_s, server_name)
+
+    # One IP address: one verifier. Several, or names (a headless Service resolves to its pods):
+    # a pool, each session on the least-loaded replica, moved to another if its own fails.
+    single = len(addresses) == 1 and expand(addresses[0]) == [(addresses[0], None)]
+    verifier = replica(addresses[0]) if single else VerifierPool(addresses, replica)
     status = await _wait_for(verifier.status, wait_s, f"verifier at {upstreams.verifier_address}")
     draft_status = await _wait_for(drafter.status, wait_s, f"drafter at {upstreams.drafter_address}")
     await drafter.aclose()

@@ -29,14 +29,18 @@ async def two_verifiers(cluster, tiny_pair):
     orchestrator over a pool of both, streaming drafts from the cluster's drafter."""
     target_path, _ = tiny_pair
     started = [await roles.start_target(TargetConfig(target_path), cluster.worker_server()) for _ in range(2)]
-    replicas = [RemoteVerifyWorker(server.address, timeout_s=30, tls=cluster.tls, step_timeout_s=5) for server, _ in started]
-    pool = VerifierPool(replicas, status_ttl_s=0.0)
+    pool = VerifierPool([server.address for server, _ in started], replica_maker(cluster), status_ttl_s=0.0)
     live = cluster.orchestrator
     orch = Orchestrator(live.target, pool, cluster.store, live.config, live.drafter_address)
     yield orch, pool, started
     for server, _ in started:
         await server.stop(0)
     await pool.aclose()
+
+
+def replica_maker(cluster):
+    return lambda address, server_name: RemoteVerifyWorker(address, timeout_s=30, tls=cluster.tls, step_timeout_s=5,
+                                                           server_name=server_name)
 
 
 def request(max_new: int, **sampling) -> GenerationRequest:
@@ -93,3 +97,36 @@ async def test_when_every_replica_is_gone_the_client_hears_unavailable(two_verif
     with pytest.raises(WorkerUnavailable):
         await collect(orch.generate(request(8)))
     assert orch.running == 0
+
+
+def test_names_expand_to_every_address_and_ip_literals_to_themselves():
+    from specdec.orchestrator.pool import expand
+
+    assert expand("127.0.0.1:5000") == [("127.0.0.1:5000", None)]
+    assert ("127.0.0.1:5000", "localhost") in expand("localhost:5000")  # dialled by IP, verified as "localhost"
+    assert expand("no-such-host.invalid:5000") == []  # no pod yet: looked up again later
+
+
+async def test_replicas_that_appear_behind_a_name_get_sessions(cluster, tiny_pair):
+    """A headless Service's name resolves to more pods after a scale-up: the pool follows it."""
+    target_path, _ = tiny_pair
+    started = [await roles.start_target(TargetConfig(target_path), cluster.worker_server()) for _ in range(2)]
+    behind_the_name = [started[0][0].address]
+    resolve = lambda name: [(a, "localhost") for a in behind_the_name]  # noqa: E731 (the name's A records, as DNS would say)
+    pool = VerifierPool(["specdec-target:50053"], replica_maker(cluster), status_ttl_s=0.0, resolve_every_s=0.0,
+                        resolve=resolve)
+    live = cluster.orchestrator
+    orch = Orchestrator(live.target, pool, cluster.store, live.config, live.drafter_address)
+    try:
+        one = orch.generate(request(200))
+        await anext(one)
+        behind_the_name.append(started[1][0].address)  # the Service scaled up
+        two = orch.generate(request(200))
+        await anext(two)
+        assert [(await v.status()).active_sessions for _, v in started] == [1, 1]
+        await one.aclose()
+        await two.aclose()
+    finally:
+        for server, _ in started:
+            await server.stop(0)
+        await pool.aclose()

@@ -73,13 +73,17 @@ def client_tls(ca_file: str | None) -> grpc.ChannelCredentials | None:
     return grpc.ssl_channel_credentials(root_certificates=ca)
 
 
-def open_channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
-    """An asyncio channel to ``address``: TLS with ``credentials``, plaintext without."""
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None, server_name: str | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to ``address``: TLS with ``credentials``, plaintext without.
+
+    ``server_name``: the name the server's certificate must carry, when ``address`` is one of the
+    IPs a name resolved to (a pod behind a headless Service is dialled by IP, verified by name)."""
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", server_name)] if server_name else [])
+    return grpc.aio.secure_channel(address, credentials, options=options)
 
 
-def internal_channel(address: str, tls: TlsFiles | None) -> grpc.aio.Channel:
+def internal_channel(address: str, tls: TlsFiles | None, server_name: str | None = None) -> grpc.aio.Channel:
     """A channel from one role to another: mutual TLS when the process has TLS files."""
-    return open_channel(address, tls.channel_credentials() if tls else None)
+    return open_channel(address, tls.channel_credentials() if tls else None, server_name)
