@@ -30,6 +30,7 @@ from specdec.core.sessions import (
     SessionRecord,
     SessionStatus,
     SpecCounters,
+    check_claim,
     check_finish,
     check_record,
     check_session_id,
@@ -92,6 +93,21 @@ redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return 1
 """
 
+# KEYS: hash, out, k. ARGV: ttl_ms, version, updated_at, live_after (a running session updated
+# after it is still someone's), expected output bytes. Takes a session over, atomically: 2 finished,
+# 3 still live elsewhere, 4 its output moved since the caller read it.
+_CLAIM = _GUARD + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'finished' then return 2 end
+if status == 'running' and tonumber(redis.call('HGET', KEYS[1], 'updated_at')) > tonumber(ARGV[4]) then return 3 end
+if redis.call('STRLEN', KEYS[2]) ~= tonumber(ARGV[5]) then return 4 end
+redis.call('HSET', KEYS[1], 'status', 'running', 'finish_reason', '', 'updated_at', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+redis.call('PEXPIRE', KEYS[3], ARGV[1])
+return 1
+"""
+
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +152,7 @@ class RedisSessionStore:
         self._create = client.register_script(_CREATE)
         self._commit = client.register_script(_COMMIT)
         self._finish = client.register_script(_FINISH)
+        self._claim = client.register_script(_CLAIM)
 
     @classmethod
     def from_url(cls, url: str, ttl_s: float = 3600, prefix: str = "specdec") -> RedisSessionStore:
@@ -193,6 +210,15 @@ class RedisSessionStore:
         check_finish(status, finish_reason)
         args = [self._ttl_ms, FORMAT_VERSION, status.value, finish_reason, repr(time.time())]
         self._check_result(await self._finish(keys=self._keys(session_id), args=args), session_id)
+
+    @_store_errors
+    async def claim(self, session_id: str, output_len: int, lease_s: float) -> None:
+        """Take a session over to continue it (see SessionStore.claim)."""
+        now = time.time()
+        args = [self._ttl_ms, FORMAT_VERSION, repr(now), repr(now - lease_s), 4 * output_len]
+        result = await self._claim(keys=self._keys(session_id), args=args)
+        self._check_result(result, session_id)
+        check_claim(result, session_id, lease_s)
 
     @_store_errors
     async def get(self, session_id: str) -> SessionRecord:

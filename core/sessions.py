@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol, runtime_checkable
 
-from specdec.core.errors import CorruptRecord, InvalidRequest, SessionNotFound
+from specdec.core.errors import CorruptRecord, InvalidRequest, SessionNotFound, SessionOutOfSync
 
 # Session ids end up inside Redis keys (as a Cluster hash tag), so no braces, colons or globs.
 _SESSION_ID_RE = re.compile(r"[0-9a-f]{32}")
@@ -238,6 +238,20 @@ def check_finish(status: SessionStatus, finish_reason: str) -> None:
         raise InvalidRequest(f"finish_reason must be a str, got {finish_reason!r}")
 
 
+CLAIMED, CLAIM_FINISHED, CLAIM_LIVE, CLAIM_MOVED = 1, 2, 3, 4
+
+
+def check_claim(result: int, session_id: str, lease_s: float) -> None:
+    """Why a claim was refused, as the error the caller acts on."""
+    if result == CLAIM_FINISHED:
+        raise SessionOutOfSync(f"session {short_id(session_id)} has finished: there is nothing to continue")
+    if result == CLAIM_LIVE:
+        raise SessionOutOfSync(f"session {short_id(session_id)} is still streaming from an orchestrator (it committed "
+                               f"within the last {lease_s:g}s): resume after that stream ends or goes quiet")
+    if result == CLAIM_MOVED:
+        raise SessionOutOfSync(f"session {short_id(session_id)} moved on while it was being resumed: resume again")
+
+
 @runtime_checkable
 class SessionStore(Protocol):
     """Where sessions live between steps. Every write refreshes the session's TTL; reads do not."""
@@ -257,6 +271,12 @@ class SessionStore(Protocol):
 
     async def finish(self, session_id: str, status: SessionStatus, finish_reason: str) -> None:
         """Set the final status and reason; SessionNotFound if missing."""
+        ...
+
+    async def claim(self, session_id: str, output_len: int, lease_s: float) -> None:
+        """Take a session over to continue it, atomically: marks it running again unless it has
+        finished, is still running and committed within ``lease_s`` (its orchestrator is alive),
+        or no longer holds ``output_len`` tokens; each refusal is SessionOutOfSync saying which."""
         ...
 
     async def get(self, session_id: str) -> SessionRecord:
@@ -344,6 +364,21 @@ class InMemorySessionStore:
         entry.step_ks.extend(new_ks)
         entry.record = replace(entry.record, counters=counters, updated_at=time.time())
         entry.expires_at = self._clock() + self._ttl_s
+
+    async def claim(self, session_id: str, output_len: int, lease_s: float) -> None:
+        entry = self._live(session_id)
+        status = entry.record.status
+        if status is SessionStatus.FINISHED:
+            result = CLAIM_FINISHED
+        elif status is SessionStatus.RUNNING and entry.record.updated_at > time.time() - lease_s:
+            result = CLAIM_LIVE
+        elif len(entry.output) != output_len:
+            result = CLAIM_MOVED
+        else:
+            entry.record = replace(entry.record, status=SessionStatus.RUNNING, finish_reason="", updated_at=time.time())
+            entry.expires_at = self._clock() + self._ttl_s
+            result = CLAIMED
+        check_claim(result, session_id, lease_s)
 
     async def finish(self, session_id: str, status: SessionStatus, finish_reason: str) -> None:
         check_finish(status, finish_reason)

@@ -22,7 +22,7 @@ from specdec.core.sessions import SessionRecord, SessionStatus, SessionStore, Sp
 from specdec.core.steps import SessionRun, SessionSpec, VerifyWorker, validate_prompt
 from specdec.orchestrator.admission import AdmissionQueue
 from specdec.orchestrator.detokenize import Detokenizer
-from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
+from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig, params_json, request_from_record
 
 if TYPE_CHECKING:
     from specdec.metrics import OrchestratorMetrics
@@ -120,14 +120,20 @@ class Orchestrator:
             raise InvalidRequest(f"unknown drafter {drafter_name!r}; this deployment serves {sorted(self.target.drafters)}")
         sampling = request.sampling
         session_id = new_session_id()
-        record = SessionRecord.new(prompt_ids, _params_json(request, drafter_name), sampling.seed, session_id)
+        record = SessionRecord.new(prompt_ids, params_json(request, drafter_name), sampling.seed, session_id)
         spec = SessionSpec(session_id, prompt_ids, sampling, drafter_name)
         run = SessionRun(spec, self.drafter_address, request.max_new_tokens, request.policy,
                          () if self.target.eos_token_id is None else (self.target.eos_token_id,))
+        await self.store.create(record)
+        async with contextlib.aclosing(self._tracked(session_id, self._loop(request, run))) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _tracked(self, session_id: str, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+        """The session's chunks, its record marked finished, cancelled or failed however it ends."""
         status, reason = SessionStatus.FAILED, ""
         try:
-            await self.store.create(record)
-            async for chunk in self._loop(request, run):
+            async for chunk in chunks:
                 if chunk.finish_reason is not None:
                     status, reason = SessionStatus.FINISHED, chunk.finish_reason.value
                     await self.store.finish(session_id, status, reason)
@@ -138,6 +144,51 @@ class Orchestrator:
         finally:
             if status is not SessionStatus.FINISHED:
                 await self._mark(session_id, status, reason)
+
+    async def resume(self, session_id: str, owner: str, received: int) -> AsyncIterator[Chunk]:
+        """Continue a session whose stream broke, here: the committed tokens after the first
+        ``received``, then the rest of the generation from the prompt and every committed token
+        (a new verifier session at the same positions: greedy and coupled output go on exactly).
+        Only its owner may; SessionOutOfSync while its orchestrator still streams it."""
+        record = await self.session(session_id, owner)
+        output = tuple(record.output_ids)
+        if not 0 <= received <= len(output):
+            raise InvalidRequest(f"received_tokens is {received} but the session committed {len(output)}: send how many "
+                                 "generated tokens your stream delivered")
+        request = request_from_record(record)
+        detok = Detokenizer(self.target.tokenizer, request.stop)
+        detok.add(output[:received])  # the client has that text already
+        common = dict(session_id=session_id, seed=record.seed, prompt_tokens=len(record.prompt_ids))
+        ended = FinishReason(record.finish_reason) if record.status is SessionStatus.FINISHED else None
+        if ended is None and output and output[-1] == self.target.eos_token_id:
+            ended = FinishReason.STOP  # it had ended; its orchestrator died before saying so
+        elif ended is None and len(output) >= request.max_new_tokens:
+            ended = FinishReason.LENGTH
+        elif ended is None and len(record.prompt_ids) + len(output) >= self.target.context_length:
+            ended = FinishReason.CONTEXT_FULL
+        if ended is not None:  # nothing to generate: what is left, and how it ended
+            if record.status is not SessionStatus.FINISHED:
+                await self.store.finish(session_id, SessionStatus.FINISHED, ended.value)
+            text = detok.add(output[received:]) + detok.finish()
+            yield Chunk(token_ids=output[received:], text=text, finish_reason=ended,
+                        completion_tokens=len(output), counters=record.counters,
+                        last_num_speculative_tokens=record.step_ks[-1] if record.step_ks else 0, **common)
+            return
+        async with self.admission.slot():
+            await self.store.claim(session_id, len(output), self.config.resume_lease_s)
+            spec = SessionSpec(session_id, tuple(record.prompt_ids) + output, request.sampling,
+                               request.drafter or self.config.default_drafter)
+            run = SessionRun(spec, self.drafter_address, request.max_new_tokens - len(output), request.policy,
+                             () if self.target.eos_token_id is None else (self.target.eos_token_id,))
+            rest = self._loop(request, run, detok=detok, generated=len(output), counters=record.counters,
+                              prompt_tokens=len(record.prompt_ids))
+            async with contextlib.aclosing(self._tracked(session_id, rest)) as chunks:
+                if received < len(output):  # committed before the break, never delivered
+                    yield Chunk(token_ids=output[received:], text=detok.add(output[received:]), finish_reason=None,
+                                completion_tokens=len(output), counters=record.counters,
+                                last_num_speculative_tokens=record.step_ks[-1] if record.step_ks else 0, **common)
+                async for chunk in chunks:
+                    yield chunk
 
     async def _mark(self, session_id: str, status: SessionStatus, reason: str) -> None:
         """Record how a session that did not finish ended; shielded, so a cancelled request still does it."""
@@ -153,13 +204,16 @@ class Orchestrator:
         except (asyncio.CancelledError, asyncio.TimeoutError):
             pass
 
-    async def _loop(self, request: GenerationRequest, run: SessionRun) -> AsyncIterator[Chunk]:
+    async def _loop(self, request: GenerationRequest, run: SessionRun, *, detok: Detokenizer | None = None,
+                    generated: int = 0, counters: SpecCounters | None = None,
+                    prompt_tokens: int | None = None) -> AsyncIterator[Chunk]:
+        """The session's steps as chunks; a resumed session passes what it had already generated."""
         target = self.target
         spec = run.spec
-        detok = Detokenizer(target.tokenizer, request.stop)
-        generated = 0
-        counters = SpecCounters()
-        common = dict(session_id=spec.session_id, seed=spec.sampling.seed, prompt_tokens=len(spec.prompt_ids))
+        detok = detok or Detokenizer(target.tokenizer, request.stop)
+        counters = counters or SpecCounters()
+        common = dict(session_id=spec.session_id, seed=spec.sampling.seed,
+                      prompt_tokens=len(spec.prompt_ids) if prompt_tokens is None else prompt_tokens)
         steps = self.verifier.run(run)
         try:
             async for step in steps:
@@ -196,24 +250,6 @@ class Orchestrator:
         if finish is None and len(token_ids) >= remaining:
             finish = FinishReason.LENGTH
         return tuple(tokens), finish, text
-
-
-def _params_json(request: GenerationRequest, drafter: str) -> dict:
-    s = request.sampling
-    return {
-        "owner": request.owner,
-        "max_new_tokens": request.max_new_tokens,
-        "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "rule": s.rule.value},
-        "seed_given": request.seed_given,
-        "stop": list(request.stop),
-        "drafter": drafter,
-        "speculation": {
-            "mode": request.policy.mode.value,
-            "num_speculative_tokens": request.policy.num_speculative_tokens,
-            "max_speculative_tokens": request.policy.max_speculative_tokens,
-            "overlap": request.policy.overlap,
-        },
-    }
 
 
 async def collect(chunks: AsyncIterator[Chunk]) -> tuple[Chunk, tuple[int, ...], str]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.core.errors import InvalidRequest
-from specdec.core.sampling import SamplingParams
-from specdec.core.speculation import SpeculationPolicy
+from specdec.core.sampling import SamplingParams, VerificationRule
+from specdec.core.sessions import SessionRecord
+from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class OrchestratorConfig:
     max_prompt_bytes: int = 1 << 20  # checked before the prompt is tokenized
     max_drafter_name_chars: int = 64
     session_ttl_s: float = 3600.0
+    # A running session that committed nothing for this long has lost its orchestrator: another may resume it.
+    resume_lease_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -60,3 +63,40 @@ class GenerationRequest:
             size = len(s.encode("utf-8", "surrogatepass")) if len(s) <= config.max_stop_length else len(s)
             if not 1 <= size <= config.max_stop_length:
                 raise InvalidRequest(f"each stop sequence must be 1 to {config.max_stop_length} bytes of UTF-8, got {size}")
+
+
+def params_json(request: GenerationRequest, drafter: str) -> dict:
+    """What a session's record keeps of its request: enough to continue it anywhere (request_from_record)."""
+    s = request.sampling
+    return {
+        "owner": request.owner,
+        "max_new_tokens": request.max_new_tokens,
+        "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "rule": s.rule.value},
+        "seed_given": request.seed_given,
+        "stop": list(request.stop),
+        "drafter": drafter,
+        "speculation": {
+            "mode": request.policy.mode.value,
+            "num_speculative_tokens": request.policy.num_speculative_tokens,
+            "max_speculative_tokens": request.policy.max_speculative_tokens,
+            "overlap": request.policy.overlap,
+        },
+    }
+
+
+def request_from_record(record: SessionRecord) -> GenerationRequest:
+    """The request a session was started with, rebuilt from its record (the prompt as token ids)."""
+    p = record.params
+    try:
+        s, spec = p["sampling"], p["speculation"]
+        sampling = SamplingParams(float(s["temperature"]), int(s["top_k"]), float(s["top_p"]), record.seed,
+                                  VerificationRule(s["rule"]))
+        policy = SpeculationPolicy(SpeculationMode(spec["mode"]), int(spec["num_speculative_tokens"]),
+                                   int(spec["max_speculative_tokens"]), overlap=bool(spec["overlap"]))
+        return GenerationRequest(prompt_ids=tuple(record.prompt_ids), max_new_tokens=int(p["max_new_tokens"]), sampling=sampling,
+                                 seed_given=bool(p["seed_given"]), stop=tuple(p["stop"]), drafter=str(p["drafter"]),
+                                 policy=policy, owner=str(p.get("owner", "")))
+    except (KeyError, TypeError, ValueError) as exc:
+        from specdec.core.errors import CorruptRecord
+
+        raise CorruptRecord(f"the session's record cannot be continued: its parameters are incomplete ({exc})") from None

@@ -38,6 +38,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         async for chunk in self.orch.generate(req):
             yield convert.chunk_to_pb(chunk)
 
+    @stream_errors
+    async def ResumeStream(self, request: generation_pb2.ResumeRequest, context: grpc.aio.ServicerContext):
+        check_session_id(request.session_id)
+        propagate_deadline(context)
+        async for chunk in self.orch.resume(request.session_id, self._owner(context), request.received_tokens):
+            yield convert.chunk_to_pb(chunk)
+
     @rpc_errors
     async def GetSession(self, request: generation_pb2.GetSessionRequest, context: grpc.aio.ServicerContext) -> generation_pb2.SessionInfo:
         check_session_id(request.session_id)

@@ -29,6 +29,7 @@ METHODS = [
     ("orchestrator", "/specdec.v1.Generation/Generate", False, False),
     ("orchestrator", "/specdec.v1.Generation/GenerateStream", False, True),
     ("orchestrator", "/specdec.v1.Generation/GetSession", False, False),
+    ("orchestrator", "/specdec.v1.Generation/ResumeStream", False, True),
     ("target", "/specdec.v1.Verifier/Generate", False, True),
     ("target", "/specdec.v1.Verifier/GetWorkerStatus", False, False),
     ("draft", "/specdec.v1.Drafter/Speculate", True, True),

@@ -80,6 +80,13 @@ async def test_a_session_belongs_to_the_key_that_made_it(locked):
     with pytest.raises(grpc.aio.AioRpcError) as err:  # Bob holds a valid key and the id, and still sees nothing
         await locked.stub.GetSession(pb.GetSessionRequest(session_id=reply.session_id), metadata=auth(BOB), timeout=10)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and reply.session_id not in err.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # nor may Bob resume it
+        async for _ in locked.stub.ResumeStream(pb.ResumeRequest(session_id=reply.session_id), metadata=auth(BOB), timeout=10):
+            pass
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    resumed = [t async for m in locked.stub.ResumeStream(pb.ResumeRequest(session_id=reply.session_id, received_tokens=2),
+                                                         metadata=auth(ALICE), timeout=10) for t in m.token_ids]
+    assert resumed == list(reply.token_ids)[2:]  # Alice may: the rest of her finished session
     record = await locked.store.get(reply.session_id)
     assert record.params["owner"] == principal(ALICE) and ALICE not in str(record.params)  # the key itself is never stored
 

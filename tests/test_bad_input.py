@@ -158,6 +158,18 @@ async def test_get_session_unknown_id_is_not_found(cluster):
 
 
 @pytest.mark.parametrize("session_id", ["", "not a session id", "a" * 129, "{abc}", "../x"])
+async def test_resume_malformed_or_unknown_id_is_refused(cluster, session_id):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in cluster.stub.ResumeStream(pb.ResumeRequest(session_id=session_id), timeout=10):
+            pass
+    assert info.value.code() == INVALID and "session id" in info.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in cluster.stub.ResumeStream(pb.ResumeRequest(session_id=secrets.token_hex(16)), timeout=10):
+            pass
+    assert info.value.code() == NOT_FOUND
+
+
+@pytest.mark.parametrize("session_id", ["", "not a session id", "a" * 129, "{abc}", "../x"])
 async def test_get_session_malformed_id_is_invalid_argument(cluster, session_id):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await cluster.stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=10)

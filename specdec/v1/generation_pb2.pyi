@@ -19,6 +19,14 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_CONTEXT_FULL: FinishReason
 
+class ResumeRequest(_message.Message):
+    __slots__ = ("session_id", "received_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    received_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., received_tokens: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "max_new_tokens", "sampling", "stop", "drafter", "speculation")
     TEXT_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,11 @@ class GenerationStub:
                 request_serializer=specdec_dot_v1_dot_generation__pb2.GetSessionRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_generation__pb2.SessionInfo.FromString,
                 _registered_method=True)
+        self.ResumeStream = channel.unary_stream(
+                '/specdec.v1.Generation/ResumeStream',
+                request_serializer=specdec_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_generation__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -78,6 +83,18 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResumeStream(self, request, context):
+        """Continues a session's stream, on any orchestrator replica: first the committed tokens the
+        client has not received, then the rest of the generation, as the original stream would have
+        gone on (token for token when greedy, and when sampled under the coupled rule). For a client
+        whose stream broke (its orchestrator died, the connection dropped). Only the key that created
+        the session may resume it: anyone else gets NOT_FOUND, as for an unknown id.
+        FAILED_PRECONDITION while the session still streams from a live orchestrator.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +112,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetSession,
                     request_deserializer=specdec_dot_v1_dot_generation__pb2.GetSessionRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_generation__pb2.SessionInfo.SerializeToString,
+            ),
+            'ResumeStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.ResumeStream,
+                    request_deserializer=specdec_dot_v1_dot_generation__pb2.ResumeRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_generation__pb2.GenerateStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +201,33 @@ class Generation:
             '/specdec.v1.Generation/GetSession',
             specdec_dot_v1_dot_generation__pb2.GetSessionRequest.SerializeToString,
             specdec_dot_v1_dot_generation__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specdec.v1.Generation/ResumeStream',
+            specdec_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+            specdec_dot_v1_dot_generation__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

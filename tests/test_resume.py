@@ -1,0 +1,113 @@
+"""Orchestrator failover: a client whose stream broke resumes it on another orchestrator replica,
+from the last token it received, and gets exactly the rest (real gRPC servers, a real Redis)."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from specdec.core.errors import InvalidRequest, SessionNotFound
+from specdec.orchestrator.loop import Orchestrator, collect
+from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
+from specdec.orchestrator.servicer import register
+from specdec.rpc.server import start_server
+from specdec.v1 import common_pb2, generation_pb2 as pb, generation_pb2_grpc
+
+from cluster import LOOPBACK
+from test_e2e import reference_greedy
+
+PROMPT = "def f():"
+LEASE_S = 0.5
+
+
+@pytest_asyncio.fixture
+async def replicas(cluster):
+    """Two orchestrators (A and B) over the cluster's workers and Redis, as two pods of one Deployment."""
+    live = cluster.orchestrator
+    config = OrchestratorConfig(max_new_tokens_limit=256, resume_lease_s=LEASE_S)
+    orchs = [Orchestrator(live.target, live.verifier, cluster.store, config, live.drafter_address) for _ in range(2)]
+    servers = [await start_server(LOOPBACK, register(o), ["specdec.v1.Generation"]) for o in orchs]
+    channels = [grpc.aio.insecure_channel(s.address) for s in servers]
+    yield orchs, servers, [generation_pb2_grpc.GenerationStub(c) for c in channels]
+    for c in channels:
+        await c.close()
+    for s in servers:
+        await s.stop(0)
+
+
+def stream_request(max_new: int = 120, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=PROMPT, max_new_tokens=max_new, drafter="model",
+                              sampling=common_pb2.SamplingParams(**sampling),
+                              speculation=common_pb2.SpeculationPolicy(mode=common_pb2.SPECULATION_MODE_FIXED,
+                                                                       num_speculative_tokens=3))
+
+
+async def read_until_broken(call, stop_after: int, kill) -> tuple[str, list[int], str]:
+    """Read ``stop_after`` messages, kill the orchestrator, read on until the stream breaks."""
+    session_id, ids, text, n = "", [], "", 0
+    with pytest.raises(grpc.aio.AioRpcError):
+        async for msg in call:
+            session_id = msg.session_id
+            ids.extend(msg.token_ids)
+            text += msg.text
+            n += 1
+            if n == stop_after:
+                await kill()
+    return session_id, ids, text
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 99}], ids=["greedy", "coupled-seeded"])
+async def test_a_stream_broken_by_its_orchestrator_resumes_on_another(replicas, cluster, tiny_pair, sampling):
+    orchs, servers, (to_a, to_b) = replicas
+    whole = await to_b.Generate(stream_request(**sampling), timeout=60)  # the uninterrupted run, for comparison
+    if not sampling:
+        assert tuple(whole.token_ids) == reference_greedy(tiny_pair[0], PROMPT, 120)
+    session_id, ids, text = await read_until_broken(to_a.GenerateStream(stream_request(**sampling), timeout=60), 3,
+                                                    lambda: servers[0].stop(0))
+    assert session_id and 0 < len(ids) < 120
+    rest_ids, rest_text, last = [], "", None
+    async for msg in to_b.ResumeStream(pb.ResumeRequest(session_id=session_id, received_tokens=len(ids)), timeout=60):
+        rest_ids.extend(msg.token_ids)
+        rest_text += msg.text
+        last = msg
+    assert ids + rest_ids == list(whole.token_ids)  # exactly the rest: nothing lost, nothing twice
+    assert text + rest_text == whole.text
+    assert last.finish_reason == whole.finish_reason and last.usage.completion_tokens == 120
+    record = await cluster.store.get(session_id)
+    assert record.status.value == "finished" and list(record.output_ids) == list(whole.token_ids)
+
+
+async def test_a_session_still_streaming_elsewhere_is_not_taken_until_its_lease_lapses(replicas, cluster):
+    orchs, _, (_, to_b) = replicas
+    request = GenerationRequest(prompt_text=PROMPT, max_new_tokens=40, drafter="ngram")
+    _, whole, _ = await collect(orchs[1].generate(request))
+    chunks = orchs[0].generate(request)
+    first = await anext(chunks)  # one chunk, then the client goes away
+    await chunks.aclose()
+    sid = first.session_id
+    stored = await cluster.store.get(sid)
+    assert 0 < len(stored.output_ids) < 40
+    # As if its orchestrator were still streaming it: running, and it has just committed.
+    await cluster.store.claim(sid, len(stored.output_ids), LEASE_S)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in to_b.ResumeStream(pb.ResumeRequest(session_id=sid, received_tokens=0), timeout=10):
+            pass
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "still streaming" in err.value.details()
+    await asyncio.sleep(LEASE_S + 0.1)  # no commit for a whole lease: its orchestrator is taken for gone
+    got = [t async for msg in to_b.ResumeStream(pb.ResumeRequest(session_id=sid, received_tokens=0), timeout=30)
+           for t in msg.token_ids]
+    assert tuple(got) == whole
+
+
+async def test_only_the_owner_may_resume_and_the_count_must_fit(replicas):
+    orchs, _, _ = replicas
+    last, ids, _ = await collect(orchs[0].generate(GenerationRequest(prompt_text=PROMPT, max_new_tokens=8, drafter="ngram",
+                                                                     owner="kalice")))
+    with pytest.raises(SessionNotFound):
+        await collect(orchs[1].resume(last.session_id, "kbob", 0))
+    with pytest.raises(InvalidRequest, match="received_tokens is 9 but the session committed 8"):
+        await collect(orchs[1].resume(last.session_id, "kalice", 9))
+    again, rest, _ = await collect(orchs[1].resume(last.session_id, "kalice", 5))  # finished: the rest, no generation
+    assert rest == ids[5:] and again.finish_reason == last.finish_reason
