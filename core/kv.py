@@ -67,6 +67,16 @@ class KVSequence:
         """The lean decoder's cache buffer (specdec.core.llama_decode.DecodeCache), or None on the HF forward."""
         return self._cache if self._decoder is not None else None
 
+    def load_prefix(self, token_ids: Sequence[int], kv: torch.Tensor) -> None:
+        """Adopt keys and values computed elsewhere for ``token_ids`` ([layers, 2, kv_heads, n, head_dim],
+        n = len(token_ids)): a resumed session skips recomputing them. The lean forward only."""
+        if self._decoder is None:
+            raise ValueError("loading a KV prefix needs the lean forward's cache")
+        n = len(token_ids)
+        self._decoder._reserve(self._cache, n)
+        self._cache.buf[:, :, :, :n] = kv
+        self._cached_ids = list(token_ids)
+
     def plan(self, token_ids: Sequence[int], num_last: int):
         """The feed that brings the cache to ``token_ids``: keep the longest cached prefix (but feed at
         least ``num_last`` tokens), crop the rest. Run it with `commit` after the runner's forward."""

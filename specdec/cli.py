@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-kv-tokens", type=int, default=None,
                        help="target: KV budget over all sessions, in tokens; each reserves prompt + max_new_tokens "
                             "(default: max-sessions full contexts)")
+    serve.add_argument("--kv-redis-url", default=None,
+                       help="target: keep sessions' KV blocks in this Redis, so another verifier can resume a session "
+                            "without recomputing its prefix (default: not kept)")
+    serve.add_argument("--kv-block-tokens", type=int, default=64, help="target: tokens per stored KV block")
     serve.add_argument("--max-session-tokens", type=int, default=1 << 16,
                        help="draft: longest sequence one session may hold (the draft model's context caps it too)")
     _add_auth_args(serve)
@@ -325,7 +329,8 @@ async def _serve(args) -> int:
         from specdec.target.engine import TargetConfig
 
         config = TargetConfig(model_path(args.target, ENV_TARGET, "target"), threads=args.threads, fast_forward=not args.reference_forward,
-                              max_sessions=args.max_sessions, max_kv_tokens=args.max_kv_tokens)
+                              max_sessions=args.max_sessions, max_kv_tokens=args.max_kv_tokens,
+                              kv_redis_url=args.kv_redis_url, kv_block_tokens=args.kv_block_tokens)
         running, _ = await roles.start_target(config, server, service_token=token, registry=registry)
     else:
         from specdec.orchestrator.request import OrchestratorConfig

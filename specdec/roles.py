@@ -73,8 +73,14 @@ async def start_target(config: TargetConfig, server: ServerConfig, loop_config: 
     channels = DraftChannels(service_token, server.tls)
     from specdec.metrics import VerifierMetrics
 
-    engine = AsyncVerifierEngine(VerifierEngine.from_config(config),
-                                 metrics=VerifierMetrics(registry) if registry is not None else None)
+    verifier_engine = VerifierEngine.from_config(config)
+    kv_store = None
+    if config.kv_redis_url and verifier_engine.layout is not None:
+        from specdec.core.redis_kv import RedisKVStore
+
+        kv_store = RedisKVStore.from_url(config.kv_redis_url, verifier_engine.layout, prefix=config.kv_prefix)
+    engine = AsyncVerifierEngine(verifier_engine, metrics=VerifierMetrics(registry) if registry is not None else None,
+                                 kv_store=kv_store)
     verifier = LocalVerifier(engine, lambda run: RemoteDraftLink(channels, run.drafter_address) if run.drafter_address else None,
                              loop_config)
     return await start_server(server, servicer.register(verifier), [servicer.SERVICE_NAME]), verifier

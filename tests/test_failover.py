@@ -3,7 +3,6 @@ whose verifier dies mid-stream resumes on another from its committed tokens, giv
 tokens an uninterrupted run gives (greedy, and seeded sampling under the coupled rule)."""
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 import pytest_asyncio
@@ -129,4 +128,30 @@ async def test_replicas_that_appear_behind_a_name_get_sessions(cluster, tiny_pai
     finally:
         for server, _ in started:
             await server.stop(0)
+        await pool.aclose()
+
+
+async def test_the_replica_that_takes_over_reads_the_kv_prefix_from_redis(cluster, tiny_pair, redis_url, redis_prefix):
+    """With KV blocks in Redis, the verifier a session moves to recomputes only the tail."""
+    target_path, _ = tiny_pair
+    config = TargetConfig(target_path, kv_redis_url=redis_url, kv_prefix=redis_prefix, kv_block_tokens=16)
+    started = [await roles.start_target(config, cluster.worker_server()) for _ in range(2)]
+    pool = VerifierPool([server.address for server, _ in started], replica_maker(cluster), status_ttl_s=0.0)
+    live = cluster.orchestrator
+    orch = Orchestrator(live.target, pool, cluster.store, live.config, live.drafter_address)
+    try:
+        req = request(150)
+        ids, killed = await run_killing_after(orch, started, req, chunks_before_kill=20)
+        assert killed is not None and pool.failovers == 1
+        assert tuple(ids) == reference_greedy(target_path, PROMPT, 150)
+        survivor = started[1 - killed][1].engine
+        stored = survivor.kv_store
+        assert stored.rejected == 0
+        taken_over = survivor.engine.last_prefill_tokens
+        assert 0 < taken_over <= 16, f"the new verifier recomputed {taken_over} positions, not just the tail"
+    finally:
+        for server, verifier in started:
+            await server.stop(0)
+            if verifier.engine.kv_store is not None:
+                await verifier.engine.kv_store.aclose()
         await pool.aclose()

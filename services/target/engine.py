@@ -13,7 +13,8 @@ import torch
 from specdec.core import rng
 from specdec.core.errors import InvalidRequest, Overloaded, SpecdecError
 from specdec.core.goodput import BatchCostModel
-from specdec.core.kv import KVSequence, logits_for_batch
+from specdec.core.kv import KVSequence, common_prefix_len, logits_for_batch
+from specdec.core.kv_blocks import BlockLayout, encode_block, model_fingerprint
 from specdec.core.llama_decode import PACK_ROWS, LlamaDecoder, supports
 from specdec.core.models import LoadedModel, load_causal_lm
 from specdec.core.coupled import coupled_verify_one, processed_logprobs
@@ -48,6 +49,11 @@ class TargetConfig:
     # waiting when idle, so one session alone pays nothing), up to this many sessions per forward.
     max_batch_sessions: int = 64
     kv_wait_s: float = 30.0  # over the KV budget, a new session waits this long for room before RESOURCE_EXHAUSTED
+    # Session KV in Redis (core/redis_kv.py): full blocks of kv_block_tokens written off the verify
+    # path, read back when a session opens here that began elsewhere. None: not kept.
+    kv_redis_url: str | None = None
+    kv_block_tokens: int = 64
+    kv_prefix: str = "specdec"  # the key prefix, as the session store's
     # Sessions whose steps came back together re-submit a moment apart (each passes through the event
     # loop): wait this long at most for every open session to be ready, so a batch is not split in
     # two halves that alternate. One session alone never waits (it is all the open sessions).
@@ -68,6 +74,7 @@ class _Session:
     committed: list[int]
     sampling: SamplingParams
     reserved_tokens: int  # of the worker's KV budget, held until the session closes
+    blocks_written: int = 0  # full KV blocks handed to the store so far
 
 
 class VerifierEngine:
@@ -80,13 +87,20 @@ class VerifierEngine:
         fast = config.fast_forward and supports(loaded.model)
         self.decoder = LlamaDecoder(loaded.model, pack_rows=config.pack_rows) if fast else None
         self.runner = runner_for(loaded.model, self.decoder)  # every session's forward goes through it, batched
+        self.layout = None  # the KV block layout, on the lean forward (blocks are its buffer's bytes)
+        if self.decoder is not None:
+            d = self.decoder
+            self.layout = BlockLayout(len(d.layers), d.n_kv, d.head_dim, d.dtype, config.kv_block_tokens,
+                                      model_fingerprint(loaded.model, d.dtype))
+        self.last_prefill_tokens = 0  # positions the last open computed (the rest came from stored KV blocks)
 
     @classmethod
     def from_config(cls, config: TargetConfig) -> "VerifierEngine":
         return cls(load_causal_lm(config.model_path, threads=config.threads), config)
 
-    def open(self, spec: SessionSpec, max_new_tokens: int | None = None) -> int:
-        """Prefill a session; ``max_new_tokens`` sizes its KV reservation (None: the whole context)."""
+    def open(self, spec: SessionSpec, max_new_tokens: int | None = None, stored: Sequence[torch.Tensor] = ()) -> int:
+        """Prefill a session; ``max_new_tokens`` sizes its KV reservation (None: the whole context);
+        ``stored``: KV blocks of the prompt's first positions, already checked (core/redis_kv.py)."""
         t0 = time.perf_counter_ns()
         check_session_id(spec.session_id)  # before the prefill, not after it
         context = self.loaded.context_length
@@ -94,8 +108,14 @@ class VerifierEngine:
         reserve = context if max_new_tokens is None else min(context, len(spec.prompt_ids) + max_new_tokens)
         self._check_kv_budget(reserve)
         session = _Session(KVSequence(self.loaded.model, self.decoder, self.runner), list(spec.prompt_ids), spec.sampling, reserve)
+        if stored:
+            n = len(stored) * self.layout.block_tokens
+            session.kv.load_prefix(spec.prompt_ids[:n], torch.cat(list(stored), dim=3))
+            session.blocks_written = len(stored)
+        before = session.kv.cached_len
         # Prefill all but the last prompt token's successor: the first Verify feeds only drafts.
         session.kv.logits_for(spec.prompt_ids, 1)
+        self.last_prefill_tokens = len(spec.prompt_ids) - before
         self.sessions.add(spec.session_id, session)
         return time.perf_counter_ns() - t0
 
@@ -138,6 +158,25 @@ class VerifierEngine:
             results[i] = (tokens, accepted, len(s.committed))
         elapsed = time.perf_counter_ns() - t0  # each step waited for the whole batch
         return [VerifyOutcome(*r, elapsed) if isinstance(r, tuple) else r for r in results]
+
+    def due_blocks(self) -> list[tuple[str, list[tuple[int, bytes]]]]:
+        """Every session's KV blocks that have become full and valid since last asked, encoded."""
+        if self.layout is None:
+            return []
+        b = self.layout.block_tokens
+        out = []
+        for session_id in self.sessions.ids():
+            s = self.sessions.peek(session_id)
+            # Valid keys and values: the cached positions that are still the committed tokens.
+            valid = common_prefix_len(s.kv.cached_ids, s.committed)
+            full = valid // b
+            if full > s.blocks_written:
+                buf = s.kv.decode_cache.buf
+                blocks = [(i, encode_block(self.layout, i * b, s.committed, buf[:, :, :, i * b:(i + 1) * b].clone()))
+                          for i in range(s.blocks_written, full)]
+                s.blocks_written = full
+                out.append((session_id, blocks))
+        return out
 
     def _decide(self, s: _Session, n: int, proposal: DraftProposal, draft_probs: torch.Tensor | None,
                 logits: torch.Tensor) -> tuple[tuple[int, ...], int]:
@@ -218,10 +257,13 @@ class AsyncVerifierEngine:
     sessions and nobody waits longer than the batch ahead of it.
     """
 
-    def __init__(self, engine: VerifierEngine, threaded: bool = True, metrics: "VerifierMetrics | None" = None) -> None:
+    def __init__(self, engine: VerifierEngine, threaded: bool = True, metrics: "VerifierMetrics | None" = None,
+                 kv_store=None) -> None:
+        """``kv_store``: a core.redis_kv.RedisKVStore for the sessions' KV blocks (None: not kept)."""
         from specdec.core.offload import Offload
 
         self.engine = engine
+        self.kv_store = kv_store
         self._run = Offload("verify", threaded)
         self._waiting: collections.deque[tuple[str, DraftProposal, asyncio.Future]] = collections.deque()
         self._batcher: asyncio.Task | None = None
@@ -240,9 +282,10 @@ class AsyncVerifierEngine:
         close rather than fail: the budget is what this worker holds, not a reason to turn work away."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.engine.config.kv_wait_s
+        stored = await self.kv_store.load(spec.session_id, spec.prompt_ids) if self.kv_store is not None else []
         while True:
             try:
-                return await self._run(self.engine.open, spec, max_new_tokens)
+                return await self._run(self.engine.open, spec, max_new_tokens, stored)
             except KVBudgetFull as exc:
                 left = deadline - loop.time()
                 if not exc.ever_fits or left <= 0:
@@ -254,7 +297,8 @@ class AsyncVerifierEngine:
                     pass  # one last try, then the error says why
 
     async def verify(self, session_id: str, proposal: DraftProposal) -> VerifyOutcome:
-        done = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        done = self._loop.create_future()
         self._waiting.append((session_id, proposal, done))
         self._arrived.set()
         if self._batcher is None or self._batcher.done():
@@ -308,9 +352,17 @@ class AsyncVerifierEngine:
 
     def _verify_batch(self, steps: list[tuple[str, DraftProposal]]) -> list[VerifyOutcome | SpecdecError]:
         if self.metrics is None:
-            return self.engine.verify_batch(steps)
-        with self.metrics.busy():
-            return self.engine.verify_batch(steps)
+            results = self.engine.verify_batch(steps)
+        else:
+            with self.metrics.busy():
+                results = self.engine.verify_batch(steps)
+        if self.kv_store is not None:  # encoded here, on the model's thread; written by the store's own task
+            due = self.engine.due_blocks()
+            if due:
+                loop = self._loop
+                for session_id, blocks in due:
+                    loop.call_soon_threadsafe(self.kv_store.offer, session_id, blocks)
+        return results
 
     async def close(self, session_id: str) -> bool:
         closed = await self._run(self.engine.close, session_id)

@@ -1,0 +1,106 @@
+"""Sessions' KV blocks in Redis (core/kv_blocks.py is the format): written by a background writer
+off the verify path, read back when a session opens on a replica that has never seen it.
+
+Layout: ``{prefix}:kv:{<session id>}:<block index>``, the session's hash tag (one Redis Cluster
+slot with its record) and its TTL. A block is written once, when it is full; a resumed session
+uses the longest run of valid blocks from position 0 and recomputes the rest.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+import torch
+from redis.exceptions import RedisError
+
+from specdec.core.kv_blocks import BlockLayout, CorruptBlock, decode_block
+from specdec.core.sessions import check_session_id, short_id
+
+log = logging.getLogger(__name__)
+
+
+class RedisKVStore:
+    def __init__(self, client: aioredis.Redis, layout: BlockLayout, *, prefix: str = "specdec", ttl_s: float = 3600,
+                 queue_blocks: int = 256) -> None:
+        self._redis = client
+        self.layout = layout
+        self._prefix = prefix
+        self._ttl_ms = max(1, round(ttl_s * 1000))
+        self._queue: asyncio.Queue | None = None
+        self._queue_blocks = queue_blocks
+        self._writer: asyncio.Task | None = None
+        self.written = self.dropped = self.rejected = 0  # blocks: stored, not queued (full queue), refused on read
+
+    @classmethod
+    def from_url(cls, url: str, layout: BlockLayout, **kwargs) -> "RedisKVStore":
+        return cls(aioredis.Redis.from_url(url, decode_responses=False), layout, **kwargs)
+
+    def key(self, session_id: str, index: int) -> str:
+        return f"{self._prefix}:kv:{{{check_session_id(session_id)}}}:{index}"
+
+    def offer(self, session_id: str, blocks: Sequence[tuple[int, bytes]]) -> None:
+        """Queue full blocks for writing; never waits: with the queue full they are dropped (a
+        resumed session recomputes what is missing), and counted."""
+        if self._queue is None:
+            self._queue = asyncio.Queue(self._queue_blocks)
+            self._writer = asyncio.ensure_future(self._write_forever())
+        for index, data in blocks:
+            try:
+                self._queue.put_nowait((session_id, index, data))
+            except asyncio.QueueFull:
+                self.dropped += 1
+
+    async def _write_forever(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty() and len(batch) < 32:
+                batch.append(self._queue.get_nowait())
+            try:
+                async with self._redis.pipeline(transaction=False) as pipe:  # one round trip for the lot
+                    for session_id, index, data in batch:
+                        pipe.set(self.key(session_id, index), data, px=self._ttl_ms)
+                    await pipe.execute()
+                self.written += len(batch)
+            except (RedisError, OSError) as exc:
+                self.dropped += len(batch)
+                log.warning("could not write %d KV blocks: %s", len(batch), exc)
+
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until what was offered so far is written (tests, shutdown)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._queue is not None and not self._queue.empty() and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the last pipeline in flight
+
+    async def load(self, session_id: str, token_ids: Sequence[int]) -> list[torch.Tensor]:
+        """The longest run of valid blocks from position 0 for these tokens (never the position of the
+        last token: a prefill must compute at least one). Anything unusable ends the run."""
+        b = self.layout.block_tokens
+        wanted = (len(token_ids) - 1) // b
+        if wanted <= 0:
+            return []
+        try:
+            raw = await self._redis.mget([self.key(session_id, i) for i in range(wanted)])
+        except (RedisError, OSError) as exc:
+            log.warning("session %s: KV blocks unreadable (%s): recomputing", short_id(session_id), exc)
+            return []
+        blocks = []
+        for i, data in enumerate(raw):
+            if data is None:
+                break
+            try:
+                blocks.append(decode_block(data, self.layout, i * b, token_ids))
+            except CorruptBlock as exc:
+                self.rejected += 1
+                log.warning("session %s: KV block %d refused (%s): recomputing from there", short_id(session_id), i, exc)
+                break
+        return blocks
+
+    async def aclose(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)
+        await self._redis.aclose()
