@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-redis-url", default=None,
                        help="target: keep sessions' KV blocks in this Redis, so another verifier can resume a session "
                             "without recomputing its prefix (default: not kept)")
-    serve.add_argument("--kv-block-tokens", type=int, default=64, help="target: tokens per stored KV block")
+    serve.add_argument("--kv-block-tokens", type=int, default=16, help="target: tokens per stored KV block")
     serve.add_argument("--max-session-tokens", type=int, default=1 << 16,
                        help="draft: longest sequence one session may hold (the draft model's context caps it too)")
     _add_auth_args(serve)

@@ -4,6 +4,8 @@ tokens an uninterrupted run gives (greedy, and seeded sampling under the coupled
 from __future__ import annotations
 
 
+import asyncio
+
 import pytest
 import pytest_asyncio
 
@@ -47,11 +49,14 @@ def request(max_new: int, **sampling) -> GenerationRequest:
                              sampling=SamplingParams(**sampling), policy=SpeculationPolicy(SpeculationMode.FIXED, 3))
 
 
-async def run_killing_after(orch, started, req: GenerationRequest, chunks_before_kill: int) -> tuple[list[int], int]:
-    """Stream ``req``; after some chunks, stop the verifier holding the session. (tokens, which was stopped)."""
+async def run_killing_after(orch, started, req: GenerationRequest, chunks_before_kill: int,
+                            grace_s: float = 0.0) -> tuple[list[int], int]:
+    """Stream ``req``; after some chunks, stop the verifier holding the session (``grace_s`` > 0: a
+    drain, as on SIGTERM: health NOT_SERVING, then streams cut after the grace). (tokens, which was stopped)."""
     ids: list[int] = []
     killed = None
     n = 0
+    stopping: list[asyncio.Future] = []
     async for chunk in orch.generate(req):
         ids.extend(chunk.token_ids)
         n += 1
@@ -59,8 +64,9 @@ async def run_killing_after(orch, started, req: GenerationRequest, chunks_before
             for i, (server, verifier) in enumerate(started):
                 if (await verifier.status()).active_sessions:
                     killed = i
-                    await server.stop(0)  # its streams end at once, as when the process dies
+                    stopping.append(asyncio.ensure_future(server.stop(grace_s)))  # 0: its streams end at once, as on a crash
                     break
+    await asyncio.gather(*stopping)
     return ids, killed
 
 
@@ -155,3 +161,12 @@ async def test_the_replica_that_takes_over_reads_the_kv_prefix_from_redis(cluste
             if verifier.engine.kv_store is not None:
                 await verifier.engine.kv_store.aclose()
         await pool.aclose()
+
+
+async def test_a_draining_verifier_hands_its_session_over_without_loss(two_verifiers, tiny_pair):
+    """Scale-in: the pod gets SIGTERM, drains for its grace, and the session its stream still
+    carried goes on at another replica; the client's tokens are exactly target-only greedy's."""
+    orch, pool, started = two_verifiers
+    ids, killed = await run_killing_after(orch, started, request(250), chunks_before_kill=3, grace_s=0.2)
+    assert killed is not None and pool.failovers == 1
+    assert tuple(ids) == reference_greedy(tiny_pair[0], PROMPT, 250)

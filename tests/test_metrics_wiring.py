@@ -2,8 +2,10 @@
 Prometheus metrics by exactly what its stats say, and `serve --metrics-port` serves them."""
 from __future__ import annotations
 
+import asyncio
 import uuid
 
+import pytest
 import pytest_asyncio
 
 from specdec import metrics as m
@@ -76,3 +78,35 @@ async def test_kv_bytes_follow_an_open_session(measured):
     call.cancel()
     await asyncio.sleep(0)
     await measured_sessions_closed(measured)
+
+
+async def test_the_autoscaler_reads_real_running_roles_and_decides(measured):
+    """The whole chain: real roles serve /metrics, the autoscaler's observer scrapes them around a
+    request, and the policy sizes the pools from what it measured."""
+    from specdec.autoscale import observe as o
+    from specdec.autoscale.policy import PolicyConfig, PolicyState, decide
+    from specdec.metrics import start_metrics_server
+
+    servers = {role: start_metrics_server(registry, "127.0.0.1", 0) for role, registry in measured.registries.items()}
+    observer = o.Observer(o.MetricsTargets(target=(("127.0.0.1", servers["target"].port),),
+                                           draft=(("127.0.0.1", servers["draft"].port),),
+                                           orchestrator=(("127.0.0.1", servers["orchestrator"].port),)))
+    try:
+        await asyncio.to_thread(observer.observe)  # the window opens
+        request = pb.GenerateRequest(text="def f():", max_new_tokens=48, drafter="model",
+                                     speculation=common_pb2.SpeculationPolicy(mode=common_pb2.SPECULATION_MODE_FIXED,
+                                                                              num_speculative_tokens=3))
+        reply = await measured.stub.Generate(request, timeout=60)
+        await asyncio.sleep(0.2)
+        seen = await asyncio.to_thread(observer.observe)
+    finally:
+        observer.close()
+        for server in servers.values():
+            server.stop()
+    assert seen.window_s > 0
+    assert seen.target.pods == 1 and seen.target.verify_rounds_per_s * seen.window_s == pytest.approx(reply.stats.verify_steps, rel=0.02)
+    assert 0 < seen.target.busy_fraction <= 1 and seen.draft.busy_fraction > 0
+    assert seen.target.draft_tokens_per_round > 0 and seen.draft.draft_cost_s_per_token > 0
+    decision = decide(seen.snapshot(target_replicas=1, draft_replicas=1), PolicyState(), PolicyConfig())
+    assert decision.target.desired >= 1 and decision.draft.desired >= 1
+    assert "rounds/s" in decision.draft.reason  # sized from the measured draft demand
