@@ -7,9 +7,10 @@ answering mid-stream, the session resumes on another replica from what it has co
 prompt plus every committed token becomes the new replica's prompt, with the tokens still to
 generate as its budget. Every position keeps its place in the sequence, so greedy output, and
 sampled output under the coupled rule (noise keyed by seed and position), continue exactly as
-an uninterrupted run; the client sees only a pause. (Under the rejection rule the resumed session
-draws the same per-position numbers but may speculate on another schedule: its tokens keep the
-target's distribution, not necessarily the very same tokens.)
+an uninterrupted run; the client sees only a pause. So does the rejection rule at a fixed k (every
+draw is keyed by seed and position); at an adaptive k the resumed session's controller starts
+afresh and may speculate on another schedule: its tokens keep the target's distribution, not
+necessarily the very same tokens.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest_asyncio
 
 from specdec import roles
 from specdec.core.errors import WorkerUnavailable
-from specdec.core.sampling import SamplingParams
+from specdec.core.sampling import SamplingParams, VerificationRule
 from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 from specdec.orchestrator.loop import Orchestrator, collect
 from specdec.orchestrator.pool import VerifierPool
@@ -70,7 +70,9 @@ async def run_killing_after(orch, started, req: GenerationRequest, chunks_before
     return ids, killed
 
 
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 31}], ids=["greedy", "coupled-seeded"])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 31},
+                                      {"temperature": 1.0, "seed": 31, "rule": VerificationRule.REJECTION}],
+                         ids=["greedy", "coupled-seeded", "rejection-seeded-fixed-k"])
 async def test_a_verifier_dying_mid_stream_costs_only_a_pause(two_verifiers, tiny_pair, sampling):
     orch, pool, started = two_verifiers
     req = request(120, **sampling)
