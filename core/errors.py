@@ -10,6 +10,10 @@ class InvalidRequest(SpecdecError):
     """Bad input from the caller (maps to INVALID_ARGUMENT)."""
 
 
+class SessionAlreadyOpen(InvalidRequest):
+    """A worker already holds a session with this id (maps to INVALID_ARGUMENT)."""
+
+
 class SessionNotFound(SpecdecError):
     """No session with that id on this worker or in the store (maps to NOT_FOUND)."""
 

@@ -6,6 +6,8 @@ Layout, format version 1 (DESIGN.md, "Redis layout"):
   {prefix}:sess:{<id>}:out  string: committed output tokens, packed little-endian int32
   {prefix}:sess:{<id>}:k    string: the speculation length of every step, one byte each (0-64),
                             so a seeded request can be replayed step for step
+  {prefix}:running          sorted set: the ids of running sessions (by start time), so a reaper
+                            can find those whose orchestrator died (abandon_stale)
 The braces are literal: `{<id>}` is a Redis Cluster hash tag, so both keys share a slot and one
 Lua script may touch both. Output lives in its own key so a commit is an O(1) APPEND, not a rewrite.
 Each write is one Lua script (one round trip, atomic), checks that the session exists and is ours
@@ -108,6 +110,17 @@ redis.call('PEXPIRE', KEYS[3], ARGV[1])
 return 1
 """
 
+# KEYS: hash, out, k. ARGV: ttl_ms, version, cutoff (updated_at at or before it: abandoned), now.
+# Marks a running session whose orchestrator stopped committing as failed: 1 marked, 2 not running,
+# 3 still committing.
+_ABANDON = _GUARD + """
+if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 2 end
+if tonumber(redis.call('HGET', KEYS[1], 'updated_at')) > tonumber(ARGV[3]) then return 3 end
+redis.call('HSET', KEYS[1], 'status', 'failed', 'finish_reason', 'orchestrator lost', 'updated_at', ARGV[4])
+return 1
+"""
+ABANDONED_REASON = "orchestrator lost"
+
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +166,7 @@ class RedisSessionStore:
         self._commit = client.register_script(_COMMIT)
         self._finish = client.register_script(_FINISH)
         self._claim = client.register_script(_CLAIM)
+        self._abandon = client.register_script(_ABANDON)
 
     @classmethod
     def from_url(cls, url: str, ttl_s: float = 3600, prefix: str = "specdec") -> RedisSessionStore:
@@ -195,6 +209,32 @@ class RedisSessionStore:
             args += [name, value]
         if not await self._create(keys=self._keys(record.session_id), args=args):
             raise InvalidRequest(f"session {short_id(record.session_id)} already exists")
+        if record.status is SessionStatus.RUNNING:
+            await self._redis.zadd(self.running_key, {record.session_id: time.time()})
+
+    @property
+    def running_key(self) -> str:
+        """The ids of running sessions (a sorted set by start time), where the reaper looks."""
+        return f"{self._prefix}:running"
+
+    @_store_errors
+    async def abandon_stale(self, lease_s: float, limit: int = 256) -> list[str]:
+        """Mark running sessions that committed nothing for ``lease_s`` failed ("orchestrator lost"),
+        so no record stays running after its orchestrator died; returns their ids. Sessions that
+        ended or expired leave the index."""
+        ids = [i.decode() for i in await self._redis.zrange(self.running_key, 0, limit - 1)]
+        marked, gone = [], []
+        now = time.time()
+        for session_id in ids:
+            result = await self._abandon(keys=self._keys(session_id), args=[self._ttl_ms, FORMAT_VERSION, repr(now - lease_s),
+                                                                             repr(now)])
+            if result == _OK:
+                marked.append(session_id)
+            if result in (_OK, _MISSING, _FOREIGN, 2):
+                gone.append(session_id)
+        if gone:
+            await self._redis.zrem(self.running_key, *gone)
+        return marked
 
     @_store_errors
     async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters,
@@ -210,6 +250,7 @@ class RedisSessionStore:
         check_finish(status, finish_reason)
         args = [self._ttl_ms, FORMAT_VERSION, status.value, finish_reason, repr(time.time())]
         self._check_result(await self._finish(keys=self._keys(session_id), args=args), session_id)
+        await self._redis.zrem(self.running_key, session_id)
 
     @_store_errors
     async def claim(self, session_id: str, output_len: int, lease_s: float) -> None:
@@ -219,6 +260,7 @@ class RedisSessionStore:
         result = await self._claim(keys=self._keys(session_id), args=args)
         self._check_result(result, session_id)
         check_claim(result, session_id, lease_s)
+        await self._redis.zadd(self.running_key, {session_id: now})
 
     @_store_errors
     async def get(self, session_id: str) -> SessionRecord:

@@ -5,7 +5,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from specdec.core.errors import InvalidRequest, Overloaded, SessionNotFound
+from specdec.core.errors import Overloaded, SessionAlreadyOpen, SessionNotFound
 from specdec.core.sessions import check_session_id, short_id
 
 T = TypeVar("T")
@@ -27,7 +27,7 @@ class SessionTable(Generic[T]):
         check_session_id(session_id)
         self.reap_idle()
         if session_id in self._items:
-            raise InvalidRequest(f"session {short_id(session_id)} is already open on this worker")
+            raise SessionAlreadyOpen(f"session {short_id(session_id)} is already open on this worker")
         if len(self._items) >= self._max:
             raise Overloaded(f"this worker holds its maximum of {self._max} sessions; retry later or on another replica")
         self._items[session_id] = (state, self._clock())

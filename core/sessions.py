@@ -273,6 +273,11 @@ class SessionStore(Protocol):
         """Set the final status and reason; SessionNotFound if missing."""
         ...
 
+    async def abandon_stale(self, lease_s: float, limit: int = 256) -> list[str]:
+        """Mark running sessions that committed nothing for ``lease_s`` failed ("orchestrator lost"): a
+        record never stays running after its orchestrator died. Returns their ids."""
+        ...
+
     async def claim(self, session_id: str, output_len: int, lease_s: float) -> None:
         """Take a session over to continue it, atomically: marks it running again unless it has
         finished, is still running and committed within ``lease_s`` (its orchestrator is alive),
@@ -364,6 +369,18 @@ class InMemorySessionStore:
         entry.step_ks.extend(new_ks)
         entry.record = replace(entry.record, counters=counters, updated_at=time.time())
         entry.expires_at = self._clock() + self._ttl_s
+
+    async def abandon_stale(self, lease_s: float, limit: int = 256) -> list[str]:
+        cutoff, marked = time.time() - lease_s, []
+        for session_id, entry in list(self._entries.items()):
+            record = entry.record
+            if record.status is SessionStatus.RUNNING and record.updated_at <= cutoff and entry.expires_at > self._clock():
+                entry.record = replace(record, status=SessionStatus.FAILED, finish_reason="orchestrator lost",
+                                       updated_at=time.time())
+                marked.append(session_id)
+                if len(marked) >= limit:
+                    break
+        return marked
 
     async def claim(self, session_id: str, output_len: int, lease_s: float) -> None:
         entry = self._live(session_id)

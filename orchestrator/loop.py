@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specdec.core.errors import InvalidRequest, SessionNotFound
+from specdec.core.errors import InvalidRequest, SessionNotFound, SpecdecError
 from specdec.core.sessions import SessionRecord, SessionStatus, SessionStore, SpecCounters, new_session_id, short_id
 from specdec.core.steps import SessionRun, SessionSpec, VerifyWorker, validate_prompt
 from specdec.orchestrator.admission import AdmissionQueue
@@ -73,6 +73,7 @@ class Orchestrator:
         self.store = store
         self.config = config
         self.admission = AdmissionQueue(config.max_concurrent_requests, config.max_waiting_requests)
+        self._reaper: asyncio.Task | None = None
         if metrics is not None:  # read at scrape time: the line and the running set are the admission's
             metrics.requests_running.set_function(lambda: self.admission.running)
             metrics.requests_waiting.set_function(lambda: self.admission.waiting)
@@ -80,6 +81,29 @@ class Orchestrator:
     @property
     def running(self) -> int:
         return self.admission.running
+
+    def start_reaper(self) -> None:
+        """Every lease, mark failed the running sessions nobody commits to any more (their
+        orchestrator died and no client resumed them): no record stays running for good."""
+        async def reap() -> None:
+            while True:
+                await asyncio.sleep(self.config.resume_lease_s)
+                try:
+                    lost = await self.store.abandon_stale(self.config.resume_lease_s)
+                except SpecdecError as exc:  # the store is down: try again next time
+                    log.warning("reaping abandoned sessions: %s", exc)
+                    continue
+                if lost:
+                    log.info("%d sessions lost their orchestrator: marked failed", len(lost))
+
+        if self._reaper is None:
+            self._reaper = asyncio.ensure_future(reap())
+
+    async def aclose(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+            self._reaper = None
 
     async def session(self, session_id: str, owner: str) -> SessionRecord:
         """A session's record, for its owner only: anyone else is told it does not exist."""

@@ -125,6 +125,7 @@ async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, s
 
     orch = Orchestrator(info, verifier, store, config, drafter_address=upstreams.drafter_address,
                         metrics=OrchestratorMetrics(registry) if registry is not None else None)
+    orch.start_reaper()
     return await start_server(server, servicer.register(orch, server.credentials), [servicer.SERVICE_NAME]), orch
 
 

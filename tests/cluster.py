@@ -56,6 +56,7 @@ class Cluster:
         return self.draft.status().active_sessions, (await self.target.status()).active_sessions
 
     async def stop(self) -> None:
+        await self.orchestrator.aclose()
         await self.channel.close()
         for s in reversed(self.servers):
             await s.stop(0)

@@ -111,3 +111,37 @@ async def test_only_the_owner_may_resume_and_the_count_must_fit(replicas):
         await collect(orchs[1].resume(last.session_id, "kalice", 9))
     again, rest, _ = await collect(orchs[1].resume(last.session_id, "kalice", 5))  # finished: the rest, no generation
     assert rest == ids[5:] and again.finish_reason == last.finish_reason
+
+
+async def test_a_session_whose_orchestrator_vanished_does_not_stay_running(cluster):
+    """Nobody resumes it: within a lease or two some orchestrator's reaper marks it failed; a session
+    still within its lease is left alone."""
+    import time
+
+    from specdec.core.sessions import SessionRecord, SessionStatus, new_session_id
+
+    def left_running() -> SessionRecord:  # as an orchestrator that died would leave it
+        return SessionRecord.new((1, 2, 3), {"owner": ""}, 5, new_session_id())
+
+    stale = left_running()
+    await cluster.store.create(stale)
+    await asyncio.sleep(LEASE_S + 0.1)
+    fresh = left_running()
+    await cluster.store.create(fresh)
+    marked = await cluster.store.abandon_stale(LEASE_S)
+    assert stale.session_id in marked and fresh.session_id not in marked
+    assert (await cluster.store.get(fresh.session_id)).status is SessionStatus.RUNNING
+    lost = await cluster.store.get(stale.session_id)
+    assert lost.status is SessionStatus.FAILED and lost.finish_reason == "orchestrator lost"
+
+    live = cluster.orchestrator
+    reaper = Orchestrator(live.target, live.verifier, cluster.store, OrchestratorConfig(resume_lease_s=LEASE_S),
+                          live.drafter_address)
+    reaper.start_reaper()  # the loop every orchestrator runs
+    try:
+        deadline = time.monotonic() + 6 * LEASE_S
+        while (await cluster.store.get(fresh.session_id)).status is SessionStatus.RUNNING and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        await reaper.aclose()
+    assert (await cluster.store.get(fresh.session_id)).finish_reason == "orchestrator lost"

@@ -260,7 +260,11 @@ async def test_redis_key_layout(redis_store: RedisSessionStore, raw: aioredis.Re
     assert await raw.get(key + ":out") == b"\x01\x00\x00\x00\xff\xff\xff\xff"
     assert await raw.get(key + ":k") == b"\x01\x00"  # one byte per step: its speculation length
     assert key_slot(key.encode()) == key_slot((key + ":k").encode())
-    assert sorted(await raw.keys(f"{redis_prefix}*")) == [key.encode(), (key + ":k").encode(), (key + ":out").encode()]
+    assert sorted(await raw.keys(f"{redis_prefix}*")) == sorted([key.encode(), (key + ":k").encode(), (key + ":out").encode(),
+                                                                  f"{redis_prefix}:running".encode()])
+    assert await raw.zscore(f"{redis_prefix}:running", record.session_id) is not None  # where the reaper looks
+    await redis_store.finish(record.session_id, SessionStatus.FINISHED, "length")
+    assert await raw.zscore(f"{redis_prefix}:running", record.session_id) is None
     assert (await redis_store.get(record.session_id)).step_ks == (1, 0)
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.core import rng
-from specdec.core.errors import InvalidRequest, Overloaded, SpecdecError
+from specdec.core.errors import InvalidRequest, Overloaded, SessionAlreadyOpen, SpecdecError
 from specdec.core.goodput import BatchCostModel
 from specdec.core.kv import KVSequence, common_prefix_len, logits_for_batch
 from specdec.core.kv_blocks import BlockLayout, encode_block, model_fingerprint
@@ -283,9 +283,20 @@ class AsyncVerifierEngine:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.engine.config.kv_wait_s
         stored = await self.kv_store.load(spec.session_id, spec.prompt_ids) if self.kv_store is not None else []
+        closing_wait = loop.time() + 2.0
         while True:
             try:
                 return await self._run(self.engine.open, spec, max_new_tokens, stored)
+            except SessionAlreadyOpen:
+                # A session resumed here while its earlier stream is still being torn down (its
+                # orchestrator died a moment ago): that one closes within moments; then this opens.
+                if loop.time() >= closing_wait:
+                    raise
+                self._freed.clear()
+                try:
+                    await asyncio.wait_for(self._freed.wait(), closing_wait - loop.time())
+                except asyncio.TimeoutError:
+                    pass
             except KVBudgetFull as exc:
                 left = deadline - loop.time()
                 if not exc.ever_fits or left <= 0:
