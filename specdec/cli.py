@@ -292,7 +292,10 @@ async def _generate_remote(args) -> int:
                     print(msg.text, end="", flush=True)
                 print()
         except grpc.aio.AioRpcError as err:
-            print(f"specdec: {err.code().name}: {err.details()}", file=sys.stderr)
+            hint = ""
+            if err.code() == grpc.StatusCode.UNAVAILABLE and not args.tls_ca:
+                hint = " (if the server serves TLS, pass --tls-ca with its CA)"
+            print(f"specdec: {err.code().name}: {err.details()}{hint}", file=sys.stderr)
             return 2
     return 0
 
