@@ -114,6 +114,7 @@ class SessionRun:
     max_new_tokens: int
     policy: SpeculationPolicy
     stop_token_ids: tuple[int, ...] = ()
+    drafter_server_name: str = ""  # with TLS: the name on the drafter's certificate, when dialled by IP
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specdec.core.errors import InvalidRequest, SessionNotFound, SpecdecError
+from specdec.core.errors import InvalidRequest, SessionNotFound, SpecdecError, WorkerUnavailable
 from specdec.core.sessions import SessionRecord, SessionStatus, SessionStore, SpecCounters, new_session_id, short_id
 from specdec.core.steps import SessionRun, SessionSpec, VerifyWorker, validate_prompt
 from specdec.orchestrator.admission import AdmissionQueue
@@ -26,6 +26,7 @@ from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig, 
 
 if TYPE_CHECKING:
     from specdec.metrics import OrchestratorMetrics
+    from specdec.orchestrator.pool import DrafterPool
 
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 5.0
@@ -65,11 +66,14 @@ class TargetInfo:
 
 class Orchestrator:
     def __init__(self, target: TargetInfo, verifier: VerifyWorker, store: SessionStore, config: OrchestratorConfig,
-                 drafter_address: str = "", metrics: "OrchestratorMetrics | None" = None) -> None:
+                 drafter_address: str = "", metrics: "OrchestratorMetrics | None" = None,
+                 drafters: "DrafterPool | None" = None) -> None:
+        """``drafters``: a pool to place each session's drafting on (None: ``drafter_address``)."""
         self.target = target
         self.metrics = metrics
         self.verifier = verifier
         self.drafter_address = drafter_address  # "" in one process: the verifier has its drafter at hand
+        self.drafters = drafters
         self.store = store
         self.config = config
         self.admission = AdmissionQueue(config.max_concurrent_requests, config.max_waiting_requests)
@@ -77,6 +81,16 @@ class Orchestrator:
         if metrics is not None:  # read at scrape time: the line and the running set are the admission's
             metrics.requests_running.set_function(lambda: self.admission.running)
             metrics.requests_waiting.set_function(lambda: self.admission.waiting)
+
+    async def _place_drafter(self) -> tuple[str, str]:
+        """(address, certificate name) of the drafter a new session streams from."""
+        if self.drafters is None:
+            return self.drafter_address, ""
+        try:
+            return await self.drafters.place()
+        except WorkerUnavailable as exc:  # no drafter answers: the session decodes alone (speed, not output)
+            log.warning("no drafter to place a session on (%s): decoding without speculation", exc)
+            return "", ""
 
     @property
     def running(self) -> int:
@@ -146,8 +160,9 @@ class Orchestrator:
         session_id = new_session_id()
         record = SessionRecord.new(prompt_ids, params_json(request, drafter_name), sampling.seed, session_id)
         spec = SessionSpec(session_id, prompt_ids, sampling, drafter_name)
-        run = SessionRun(spec, self.drafter_address, request.max_new_tokens, request.policy,
-                         () if self.target.eos_token_id is None else (self.target.eos_token_id,))
+        drafter_address, drafter_name = await self._place_drafter()
+        run = SessionRun(spec, drafter_address, request.max_new_tokens, request.policy,
+                         () if self.target.eos_token_id is None else (self.target.eos_token_id,), drafter_name)
         await self.store.create(record)
         async with contextlib.aclosing(self._tracked(session_id, self._loop(request, run))) as chunks:
             async for chunk in chunks:
@@ -202,8 +217,9 @@ class Orchestrator:
             await self.store.claim(session_id, len(output), self.config.resume_lease_s)
             spec = SessionSpec(session_id, tuple(record.prompt_ids) + output, request.sampling,
                                request.drafter or self.config.default_drafter)
-            run = SessionRun(spec, self.drafter_address, request.max_new_tokens - len(output), request.policy,
-                             () if self.target.eos_token_id is None else (self.target.eos_token_id,))
+            drafter_address, drafter_name = await self._place_drafter()
+            run = SessionRun(spec, drafter_address, request.max_new_tokens - len(output), request.policy,
+                             () if self.target.eos_token_id is None else (self.target.eos_token_id,), drafter_name)
             rest = self._loop(request, run, detok=detok, generated=len(output), counters=record.counters,
                               prompt_tokens=len(record.prompt_ids))
             async with contextlib.aclosing(self._tracked(session_id, rest)) as chunks:

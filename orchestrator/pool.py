@@ -52,23 +52,26 @@ def expand(address: str) -> list[tuple[str, str | None]]:
     return out
 
 
-class VerifierPool:
-    """The VerifyWorker protocol over many replicas, found from addresses and names.
+class ReplicaPool:
+    """Replicas of one role found from addresses and names, with their load.
 
-    ``make_replica(address, server_name)`` opens one replica's client; ``resolve`` (default:
-    `expand`) turns a configured address into replicas, again every ``resolve_every_s``, so pods
-    that come and go behind a name are followed.
+    ``make_replica(address, server_name)`` opens one replica's client (anything with ``status()``);
+    ``resolve`` (default: `expand`) turns a configured address into replicas, again every
+    ``resolve_every_s``, so pods that come and go behind a name are followed.
     """
+
+    role = "worker"
 
     def __init__(self, addresses: Sequence[str], make_replica: Callable[[str, str | None], VerifyWorker],
                  status_ttl_s: float = 1.0, resolve_every_s: float = 10.0,
                  resolve: Callable[[str], list[tuple[str, str | None]]] = expand) -> None:
         if not addresses:
-            raise ValueError("a verifier pool needs at least one address")
+            raise ValueError(f"a {self.role} pool needs at least one address")
         self._names = list(addresses)
         self._make, self._resolve = make_replica, resolve
         self._ttl, self._resolve_every = status_ttl_s, resolve_every_s
         self.replicas: dict[str, VerifyWorker] = {}
+        self.server_names: dict[str, str | None] = {}  # the name each replica's certificate carries
         self._retired: list[VerifyWorker] = []
         self._resolved_at = float("-inf")
         self._load: dict[str, float] = {}  # replica -> open sessions as last reported (inf: unreachable)
@@ -86,6 +89,7 @@ class VerifierPool:
         for address, server_name in found.items():
             if address not in self.replicas:
                 self.replicas[address] = self._make(address, server_name)
+                self.server_names[address] = server_name
                 self._checked_at = float("-inf")  # a new replica: ask everyone's load again
         for address in [a for a in self.replicas if a not in found and not self._placed.get(a)]:
             self._retired.append(self.replicas.pop(address))  # gone from the name and idle here
@@ -101,7 +105,7 @@ class VerifierPool:
                 return await replica.status()
             except WorkerUnavailable as exc:
                 last = exc
-        raise WorkerUnavailable(f"no verifier of the pool {', '.join(self._names)} answers: {last}")
+        raise WorkerUnavailable(f"no {self.role} of the pool {', '.join(self._names)} answers: {last}")
 
     async def _refresh(self) -> None:
         if time.monotonic() - self._resolved_at >= self._resolve_every:
@@ -122,10 +126,22 @@ class VerifierPool:
     async def _pick(self, avoid: set[str]) -> str:
         await self._refresh()
         if not self.replicas:
-            raise WorkerUnavailable(f"no verifier found at {', '.join(self._names)}")
+            raise WorkerUnavailable(f"no {self.role} found at {', '.join(self._names)}")
         candidates = [a for a in self.replicas if a not in avoid] or list(self.replicas)
         # Open sessions as last reported, plus those placed since: fresh placements spread out too.
         return min(candidates, key=lambda a: (self._load.get(a, 0.0) + self._placed.get(a, 0), a))
+
+    async def aclose(self) -> None:
+        for replica in (*self.replicas.values(), *self._retired):
+            close = getattr(replica, "aclose", None)
+            if close is not None:
+                await close()
+
+
+class VerifierPool(ReplicaPool):
+    """The VerifyWorker protocol over many verifier replicas: placement, and failover by resuming."""
+
+    role = "verifier"
 
     async def run(self, run: SessionRun) -> AsyncIterator[StepCommit]:
         committed: list[int] = []  # what the session has committed so far, over every replica
@@ -157,8 +173,22 @@ class VerifierPool:
                 self._placed[address] -= 1
                 await steps.aclose()
 
-    async def aclose(self) -> None:
-        for replica in (*self.replicas.values(), *self._retired):
-            close = getattr(replica, "aclose", None)
-            if close is not None:
-                await close()
+
+class DrafterPool(ReplicaPool):
+    """Where each new session drafts: the draft replica with the fewest open sessions. (A session
+    stays with its drafter; one that dies costs that session speed, not output: its verifier
+    decodes alone.)"""
+
+    role = "drafter"
+
+    async def place(self) -> tuple[str, str]:
+        """(address, the name its certificate carries or "") for a new session."""
+        address = await self._pick(set())
+        self._placed[address] = self._placed.get(address, 0) + 1  # counted until the next status refresh
+        return address, self.server_names.get(address) or ""
+
+    async def _refresh(self) -> None:
+        before = self._checked_at
+        await super()._refresh()
+        if self._checked_at != before:
+            self._placed.clear()  # the fresh statuses count those sessions now

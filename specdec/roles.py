@@ -81,7 +81,7 @@ async def start_target(config: TargetConfig, server: ServerConfig, loop_config: 
         kv_store = RedisKVStore.from_url(config.kv_redis_url, verifier_engine.layout, prefix=config.kv_prefix)
     engine = AsyncVerifierEngine(verifier_engine, metrics=VerifierMetrics(registry) if registry is not None else None,
                                  kv_store=kv_store)
-    verifier = LocalVerifier(engine, lambda run: RemoteDraftLink(channels, run.drafter_address) if run.drafter_address else None,
+    verifier = LocalVerifier(engine, lambda run: RemoteDraftLink(channels, run.drafter_address, run.drafter_server_name) if run.drafter_address else None,
                              loop_config)
     return await start_server(server, servicer.register(verifier), [servicer.SERVICE_NAME]), verifier
 
@@ -102,11 +102,21 @@ async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, s
     from transformers import AutoTokenizer
 
     from specdec.orchestrator import servicer
-    from specdec.orchestrator.pool import VerifierPool, expand
+    from specdec.orchestrator.pool import DrafterPool, VerifierPool, expand
     from specdec.orchestrator.remote import RemoteVerifyWorker, RemoteWorker
 
-    drafter = RemoteWorker(upstreams.drafter_address, "draft", upstreams.timeout_s, upstreams.service_token, upstreams.tls)
-    addresses = [a.strip() for a in upstreams.verifier_address.split(",") if a.strip()]
+    def pool_of(addresses: str) -> tuple[list[str], bool]:
+        """The addresses, and whether they are one IP address (else: a pool, names followed)."""
+        listed = [a.strip() for a in addresses.split(",") if a.strip()]
+        return listed, len(listed) == 1 and expand(listed[0]) == [(listed[0], None)]
+
+    draft_addresses, one_drafter = pool_of(upstreams.drafter_address)
+    draft_replica = lambda address, server_name=None: RemoteWorker(address, "draft", upstreams.timeout_s,  # noqa: E731
+                                                                   upstreams.service_token, upstreams.tls, server_name)
+    # Several drafters, or a name: each new session drafts on the least-loaded replica.
+    drafters = None if one_drafter else DrafterPool(draft_addresses, draft_replica)
+    drafter = draft_replica(draft_addresses[0]) if one_drafter else drafters
+    addresses, single = pool_of(upstreams.verifier_address)
 
     def replica(address: str, server_name: str | None = None) -> RemoteVerifyWorker:
         return RemoteVerifyWorker(address, upstreams.timeout_s, upstreams.service_token, upstreams.tls,
@@ -114,17 +124,17 @@ async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, s
 
     # One IP address: one verifier. Several, or names (a headless Service resolves to its pods):
     # a pool, each session on the least-loaded replica, moved to another if its own fails.
-    single = len(addresses) == 1 and expand(addresses[0]) == [(addresses[0], None)]
     verifier = replica(addresses[0]) if single else VerifierPool(addresses, replica)
     status = await _wait_for(verifier.status, wait_s, f"verifier at {upstreams.verifier_address}")
     draft_status = await _wait_for(drafter.status, wait_s, f"drafter at {upstreams.drafter_address}")
-    await drafter.aclose()
+    if drafters is None:
+        await drafter.aclose()
     tokenizer = AutoTokenizer.from_pretrained(upstreams.tokenizer_path, local_files_only=True)
     info = TargetInfo(tokenizer, status.vocab_size, status.context_length, tokenizer.eos_token_id, draft_status.drafters)
     from specdec.metrics import OrchestratorMetrics
 
     orch = Orchestrator(info, verifier, store, config, drafter_address=upstreams.drafter_address,
-                        metrics=OrchestratorMetrics(registry) if registry is not None else None)
+                        metrics=OrchestratorMetrics(registry) if registry is not None else None, drafters=drafters)
     orch.start_reaper()
     return await start_server(server, servicer.register(orch, server.credentials), [servicer.SERVICE_NAME]), orch
 

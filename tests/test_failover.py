@@ -172,3 +172,35 @@ async def test_a_draining_verifier_hands_its_session_over_without_loss(two_verif
     ids, killed = await run_killing_after(orch, started, request(250), chunks_before_kill=3, grace_s=0.2)
     assert killed is not None and pool.failovers == 1
     assert tuple(ids) == reference_greedy(tiny_pair[0], PROMPT, 250)
+
+
+async def test_sessions_draft_on_the_least_loaded_drafter_of_a_pool(cluster, tiny_pair):
+    """A draft pool (several addresses, or a headless Service name): each new session streams its
+    drafts from the replica with the fewest open sessions; a dead replica gets none."""
+    from specdec.draft.drafters import DraftConfig
+    from specdec.orchestrator.pool import DrafterPool
+    from specdec.orchestrator.remote import RemoteWorker
+
+    from test_worker_failure import free_port
+
+    target_path, draft_path = tiny_pair
+    started = [await roles.start_draft(DraftConfig(draft_path, target_path), cluster.worker_server()) for _ in range(2)]
+    dead = f"127.0.0.1:{free_port()}"
+    pool = DrafterPool([dead, *(server.address for server, _ in started)],
+                       lambda a, n: RemoteWorker(a, "draft", 5, tls=cluster.tls, server_name=n), status_ttl_s=0.0)
+    live = cluster.orchestrator
+    orch = Orchestrator(live.target, live.verifier, cluster.store, live.config, drafters=pool)
+    try:
+        runs = [orch.generate(request(200)) for _ in range(2)]
+        firsts = [await anext(run) for run in runs]
+        assert all(chunk.token_ids for chunk in firsts)
+        assert [engine.status().active_sessions for _, engine in started] == [1, 1]  # one each; none on the dead one
+        for run in runs:
+            await run.aclose()
+        _, ids, _ = await collect(orch.generate(request(40)))
+        assert ids == reference_greedy(target_path, PROMPT, 40)  # the output is the target's whatever drafts it
+    finally:
+        for server, engine in started:
+            await server.stop(0)
+            engine.shutdown()
+        await pool.aclose()

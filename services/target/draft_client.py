@@ -26,11 +26,12 @@ class DraftChannels:
         self.metadata = call_metadata(service_token)  # sent on every stream: drafters admit only the deployment
         self._tls = tls  # mutual TLS: our certificate is how a drafter with a CA knows us
 
-    def stub(self, address: str) -> drafter_pb2_grpc.DrafterStub:
-        if address not in self._stubs:
-            channel = internal_channel(address, self._tls)
-            self._stubs[address] = (channel, drafter_pb2_grpc.DrafterStub(channel))
-        return self._stubs[address][1]
+    def stub(self, address: str, server_name: str = "") -> drafter_pb2_grpc.DrafterStub:
+        key = f"{address}|{server_name}"
+        if key not in self._stubs:
+            channel = internal_channel(address, self._tls, server_name or None)
+            self._stubs[key] = (channel, drafter_pb2_grpc.DrafterStub(channel))
+        return self._stubs[key][1]
 
     async def close(self) -> None:
         for channel, _ in self._stubs.values():
@@ -39,9 +40,9 @@ class DraftChannels:
 
 
 class RemoteDraftLink:
-    def __init__(self, channels: DraftChannels, address: str) -> None:
+    def __init__(self, channels: DraftChannels, address: str, server_name: str = "") -> None:
         self.address = address
-        self._stub = channels.stub(address)
+        self._stub = channels.stub(address, server_name)
         self._metadata = channels.metadata
         self._inbox = BlockInbox()
         self._outbox: asyncio.Queue = asyncio.Queue()

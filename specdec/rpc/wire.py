@@ -109,7 +109,8 @@ def outcome_from_pb(pb: drafter_pb2.StepOutcome) -> StepOutcome:
 
 def run_to_pb(r: SessionRun) -> verifier_pb2.SessionRequest:
     return verifier_pb2.SessionRequest(session=spec_to_pb(r.spec), drafter_address=r.drafter_address, max_new_tokens=r.max_new_tokens,
-                                       speculation=policy_to_pb(r.policy), stop_token_ids=r.stop_token_ids)
+                                       speculation=policy_to_pb(r.policy), stop_token_ids=r.stop_token_ids,
+                                       drafter_server_name=r.drafter_server_name)
 
 
 def run_from_pb(pb: verifier_pb2.SessionRequest) -> SessionRun:
@@ -118,7 +119,8 @@ def run_from_pb(pb: verifier_pb2.SessionRequest) -> SessionRun:
     if not pb.HasField("speculation"):
         raise InvalidRequest("SessionRequest.speculation is missing: send the speculation policy")
     return SessionRun(spec_from_pb(pb.session), pb.drafter_address, pb.max_new_tokens,
-                      policy_from_pb(pb.speculation, SpeculationPolicy()), tuple(pb.stop_token_ids))
+                      policy_from_pb(pb.speculation, SpeculationPolicy()), tuple(pb.stop_token_ids),
+                      pb.drafter_server_name[:253])  # a DNS name is at most 253 characters
 
 
 def commit_to_pb(c: StepCommit) -> verifier_pb2.StepCommit:

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SessionRequest(_message.Message):
-    __slots__ = ("session", "drafter_address", "max_new_tokens", "speculation", "stop_token_ids")
+    __slots__ = ("session", "drafter_address", "max_new_tokens", "speculation", "stop_token_ids", "drafter_server_name")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
     session: _common_pb2.OpenSessionRequest
     drafter_address: str
     max_new_tokens: int
     speculation: _common_pb2.SpeculationPolicy
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session: _Optional[_Union[_common_pb2.OpenSessionRequest, _Mapping]] = ..., drafter_address: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    drafter_server_name: str
+    def __init__(self, session: _Optional[_Union[_common_pb2.OpenSessionRequest, _Mapping]] = ..., drafter_address: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., drafter_server_name: _Optional[str] = ...) -> None: ...
 
 class StepCommit(_message.Message):
     __slots__ = ("token_ids", "num_draft_tokens", "num_accepted", "committed_len", "verify_time_ns", "draft_wait_ns", "predrafted", "finished")
