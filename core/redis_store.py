@@ -210,7 +210,14 @@ class RedisSessionStore:
         if not await self._create(keys=self._keys(record.session_id), args=args):
             raise InvalidRequest(f"session {short_id(record.session_id)} already exists")
         if record.status is SessionStatus.RUNNING:
-            await self._redis.zadd(self.running_key, {record.session_id: time.time()})
+            await self._index_running(record.session_id)
+
+    async def _index_running(self, session_id: str) -> None:
+        # The index lives as long as the newest session in it: no key without a TTL.
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.running_key, {session_id: time.time()})
+            pipe.pexpire(self.running_key, self._ttl_ms)
+            await pipe.execute()
 
     @property
     def running_key(self) -> str:
@@ -260,7 +267,7 @@ class RedisSessionStore:
         result = await self._claim(keys=self._keys(session_id), args=args)
         self._check_result(result, session_id)
         check_claim(result, session_id, lease_s)
-        await self._redis.zadd(self.running_key, {session_id: now})
+        await self._index_running(session_id)
 
     @_store_errors
     async def get(self, session_id: str) -> SessionRecord:

@@ -263,6 +263,8 @@ async def test_redis_key_layout(redis_store: RedisSessionStore, raw: aioredis.Re
     assert sorted(await raw.keys(f"{redis_prefix}*")) == sorted([key.encode(), (key + ":k").encode(), (key + ":out").encode(),
                                                                   f"{redis_prefix}:running".encode()])
     assert await raw.zscore(f"{redis_prefix}:running", record.session_id) is not None  # where the reaper looks
+    for k in (key, key + ":out", key + ":k", f"{redis_prefix}:running"):
+        assert 0 < await raw.pttl(k) <= redis_store._ttl_ms  # every key expires
     await redis_store.finish(record.session_id, SessionStatus.FINISHED, "length")
     assert await raw.zscore(f"{redis_prefix}:running", record.session_id) is None
     assert (await redis_store.get(record.session_id)).step_ks == (1, 0)
