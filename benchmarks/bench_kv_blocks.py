@@ -20,6 +20,35 @@ from specdec.core.redis_kv import RedisKVStore
 from specdec.target.engine import TargetConfig, VerifierEngine
 
 
+async def write_cost(args, engine: VerifierEngine, steps: int = 200, rounds: int = 3) -> dict:
+    """Decoding tokens/s of one session with and without writing its KV blocks, alternated in one run."""
+    import secrets
+
+    from specdec.core.sampling import SamplingParams
+    from specdec.core.steps import DraftProposal, SessionSpec
+    from specdec.target.engine import AsyncVerifierEngine
+
+    store = RedisKVStore.from_url(args.redis_url, engine.layout, prefix=f"specdec-bench-{uuid.uuid4().hex[:8]}")
+    rates: dict[str, list[float]] = {"without": [], "with": []}
+    for _ in range(rounds):
+        for mode in ("without", "with"):
+            verifier = AsyncVerifierEngine(engine, threaded=False, kv_store=store if mode == "with" else None)
+            sid = secrets.token_hex(16)
+            await verifier.open(SessionSpec(sid, tuple(range(3, 40)), SamplingParams(seed=1), "ngram"), max_new_tokens=steps)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                await verifier.verify(sid, DraftProposal(()))
+            rates[mode].append(steps / (time.perf_counter() - t0))
+            await verifier.close(sid)
+    await store.flush()
+    await store.aclose()
+    out = {mode: statistics.median(r) for mode, r in rates.items()}
+    out["with_over_without"] = out["with"] / out["without"]
+    print(f"decoding with KV blocks written: {out['with']:.1f} tok/s against {out['without']:.1f} without "
+          f"({out['with_over_without']:.3f}x)")
+    return out
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=str(DEMO / "target"))
@@ -80,6 +109,7 @@ async def main() -> None:
         if keys:
             await store._redis.delete(*keys)
         await store.aclose()
+    results["write_cost"] = await write_cost(args, engine)
     if args.json:
         results["machine"] = machine()
         with open(args.json, "w") as f:
