@@ -129,16 +129,25 @@ def test_model_free_drafter_keeps_at_most_its_session_cap():
 # ----------------------------------------------------------------------------- the waiting line
 
 
+async def _holding_the_slot(orch, release: asyncio.Event, held: asyncio.Event) -> None:
+    """Occupy the one running slot until ``release`` (a request that never finishes on its own:
+    the tests must not depend on how fast the machine generates)."""
+    async with orch.admission.slot():
+        held.set()
+        await release.wait()
+
+
 async def test_requests_over_the_limit_wait_in_line_first_come_first_served(cluster):
     live = cluster.orchestrator
     orch = Orchestrator(live.target, live.verifier, cluster.store, OrchestratorConfig(max_concurrent_requests=1, max_waiting_requests=2),
                         live.drafter_address)
     server = await start_server(LOOPBACK, register(orch), ["specdec.v1.Generation"])
+    release, held = asyncio.Event(), asyncio.Event()
+    holder = asyncio.ensure_future(_holding_the_slot(orch, release, held))
     try:
+        await held.wait()
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            first = stub.GenerateStream(pb.GenerateRequest(text="def f():", max_new_tokens=200, drafter="ngram"))
-            await first.read()
             done: list[str] = []
 
             async def waiter(name: str) -> None:
@@ -147,21 +156,26 @@ async def test_requests_over_the_limit_wait_in_line_first_come_first_served(clus
                 done.append(name)
 
             second = asyncio.ensure_future(waiter("second"))
-            await asyncio.sleep(0.2)
+            for _ in range(100):
+                if orch.admission.waiting == 1:
+                    break
+                await asyncio.sleep(0.02)
             third = asyncio.ensure_future(waiter("third"))
-            for _ in range(50):
+            for _ in range(100):
                 if orch.admission.waiting == 2:
                     break
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.02)
             assert orch.admission.waiting == 2 and orch.running == 1  # both wait; neither failed
             with pytest.raises(grpc.aio.AioRpcError) as err:  # the line is full
                 await stub.Generate(pb.GenerateRequest(text="y = 2", max_new_tokens=3, drafter="ngram"), timeout=10)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 waiting" in err.value.details()
-            first.cancel()
+            release.set()
             await asyncio.gather(second, third)
             assert done == ["second", "third"]  # first come, first served
             assert orch.running == 0 and orch.admission.waiting == 0
     finally:
+        release.set()
+        await holder
         await server.stop(0)
 
 
@@ -170,11 +184,12 @@ async def test_a_deadline_that_passes_in_line_leaves_the_line(cluster):
     orch = Orchestrator(live.target, live.verifier, cluster.store, OrchestratorConfig(max_concurrent_requests=1, max_waiting_requests=4),
                         live.drafter_address)
     server = await start_server(LOOPBACK, register(orch), ["specdec.v1.Generation"])
+    release, held = asyncio.Event(), asyncio.Event()
+    holder = asyncio.ensure_future(_holding_the_slot(orch, release, held))
     try:
+        await held.wait()
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            first = stub.GenerateStream(pb.GenerateRequest(text="def f():", max_new_tokens=200, drafter="ngram"))
-            await first.read()
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(pb.GenerateRequest(text="x = 1", max_new_tokens=3, drafter="ngram"), timeout=0.5)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -183,13 +198,10 @@ async def test_a_deadline_that_passes_in_line_leaves_the_line(cluster):
                     break
                 await asyncio.sleep(0.02)
             assert orch.admission.waiting == 0 and orch.running == 1  # it left the line and took no slot
-            first.cancel()
     finally:
+        release.set()
+        await holder
         await server.stop(0)
-    for _ in range(50):
-        if await cluster.active_sessions() == (0, 0) and orch.running == 0:
-            break
-        await asyncio.sleep(0.1)
     assert orch.running == 0
 
 
