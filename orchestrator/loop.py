@@ -198,6 +198,13 @@ class Orchestrator:
         detok = Detokenizer(self.target.tokenizer, request.stop)
         detok.add(output[:received])  # the client has that text already
         common = dict(session_id=session_id, seed=record.seed, prompt_tokens=len(record.prompt_ids))
+
+        def undelivered(text: str, finish: FinishReason | None) -> Chunk:
+            """The committed tokens the client never received, as one chunk."""
+            return Chunk(token_ids=output[received:], text=text, finish_reason=finish, completion_tokens=len(output),
+                         counters=record.counters, last_num_speculative_tokens=record.step_ks[-1] if record.step_ks else 0,
+                         **common)
+
         ended = FinishReason(record.finish_reason) if record.status is SessionStatus.FINISHED else None
         if ended is None and output and output[-1] == self.target.eos_token_id:
             ended = FinishReason.STOP  # it had ended; its orchestrator died before saying so
@@ -208,10 +215,7 @@ class Orchestrator:
         if ended is not None:  # nothing to generate: what is left, and how it ended
             if record.status is not SessionStatus.FINISHED:
                 await self.store.finish(session_id, SessionStatus.FINISHED, ended.value)
-            text = detok.add(output[received:]) + detok.finish()
-            yield Chunk(token_ids=output[received:], text=text, finish_reason=ended,
-                        completion_tokens=len(output), counters=record.counters,
-                        last_num_speculative_tokens=record.step_ks[-1] if record.step_ks else 0, **common)
+            yield undelivered(detok.add(output[received:]) + detok.finish(), ended)
             return
         async with self.admission.slot():
             await self.store.claim(session_id, len(output), self.config.resume_lease_s)
@@ -224,9 +228,7 @@ class Orchestrator:
                               prompt_tokens=len(record.prompt_ids))
             async with contextlib.aclosing(self._tracked(session_id, rest)) as chunks:
                 if received < len(output):  # committed before the break, never delivered
-                    yield Chunk(token_ids=output[received:], text=detok.add(output[received:]), finish_reason=None,
-                                completion_tokens=len(output), counters=record.counters,
-                                last_num_speculative_tokens=record.step_ks[-1] if record.step_ks else 0, **common)
+                    yield undelivered(detok.add(output[received:]), None)
                 async for chunk in chunks:
                     yield chunk
 

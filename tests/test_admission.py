@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -129,79 +130,71 @@ def test_model_free_drafter_keeps_at_most_its_session_cap():
 # ----------------------------------------------------------------------------- the waiting line
 
 
-async def _holding_the_slot(orch, release: asyncio.Event, held: asyncio.Event) -> None:
-    """Occupy the one running slot until ``release`` (a request that never finishes on its own:
-    the tests must not depend on how fast the machine generates)."""
-    async with orch.admission.slot():
-        held.set()
-        await release.wait()
+@contextlib.asynccontextmanager
+async def slot_taken(cluster, max_waiting: int):
+    """An orchestrator allowing one running request, served over gRPC, whose one slot is held
+    until the test sets the yielded event: a request that never finishes on its own, so the
+    tests do not depend on how fast the machine generates. Yields (orchestrator, stub, release)."""
+    live = cluster.orchestrator
+    orch = Orchestrator(live.target, live.verifier, cluster.store,
+                        OrchestratorConfig(max_concurrent_requests=1, max_waiting_requests=max_waiting), live.drafter_address)
+    server = await start_server(LOOPBACK, register(orch), ["specdec.v1.Generation"])
+    release, held = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        async with orch.admission.slot():
+            held.set()
+            await release.wait()
+
+    holder = asyncio.ensure_future(hold())
+    try:
+        await held.wait()
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            yield orch, generation_pb2_grpc.GenerationStub(channel), release
+    finally:
+        release.set()
+        await holder
+        await server.stop(0)
+
+
+async def until(probe, timeout_s: float = 2.0) -> None:
+    """Poll ``probe()`` until it is true or the time is up (the caller asserts what it needs)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not probe() and loop.time() < deadline:
+        await asyncio.sleep(0.02)
 
 
 async def test_requests_over_the_limit_wait_in_line_first_come_first_served(cluster):
-    live = cluster.orchestrator
-    orch = Orchestrator(live.target, live.verifier, cluster.store, OrchestratorConfig(max_concurrent_requests=1, max_waiting_requests=2),
-                        live.drafter_address)
-    server = await start_server(LOOPBACK, register(orch), ["specdec.v1.Generation"])
-    release, held = asyncio.Event(), asyncio.Event()
-    holder = asyncio.ensure_future(_holding_the_slot(orch, release, held))
-    try:
-        await held.wait()
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            done: list[str] = []
+    async with slot_taken(cluster, max_waiting=2) as (orch, stub, release):
+        done: list[str] = []
 
-            async def waiter(name: str) -> None:
-                reply = await stub.Generate(pb.GenerateRequest(text="x = 1", max_new_tokens=3, drafter="ngram"), timeout=60)
-                assert len(reply.token_ids) == 3
-                done.append(name)
+        async def waiter(name: str) -> None:
+            reply = await stub.Generate(pb.GenerateRequest(text="x = 1", max_new_tokens=3, drafter="ngram"), timeout=60)
+            assert len(reply.token_ids) == 3
+            done.append(name)
 
-            second = asyncio.ensure_future(waiter("second"))
-            for _ in range(100):
-                if orch.admission.waiting == 1:
-                    break
-                await asyncio.sleep(0.02)
-            third = asyncio.ensure_future(waiter("third"))
-            for _ in range(100):
-                if orch.admission.waiting == 2:
-                    break
-                await asyncio.sleep(0.02)
-            assert orch.admission.waiting == 2 and orch.running == 1  # both wait; neither failed
-            with pytest.raises(grpc.aio.AioRpcError) as err:  # the line is full
-                await stub.Generate(pb.GenerateRequest(text="y = 2", max_new_tokens=3, drafter="ngram"), timeout=10)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 waiting" in err.value.details()
-            release.set()
-            await asyncio.gather(second, third)
-            assert done == ["second", "third"]  # first come, first served
-            assert orch.running == 0 and orch.admission.waiting == 0
-    finally:
+        second = asyncio.ensure_future(waiter("second"))
+        await until(lambda: orch.admission.waiting == 1)
+        third = asyncio.ensure_future(waiter("third"))
+        await until(lambda: orch.admission.waiting == 2)
+        assert orch.admission.waiting == 2 and orch.running == 1  # both wait; neither failed
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the line is full
+            await stub.Generate(pb.GenerateRequest(text="y = 2", max_new_tokens=3, drafter="ngram"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 waiting" in err.value.details()
         release.set()
-        await holder
-        await server.stop(0)
+        await asyncio.gather(second, third)
+        assert done == ["second", "third"]  # first come, first served
+        assert orch.running == 0 and orch.admission.waiting == 0
 
 
 async def test_a_deadline_that_passes_in_line_leaves_the_line(cluster):
-    live = cluster.orchestrator
-    orch = Orchestrator(live.target, live.verifier, cluster.store, OrchestratorConfig(max_concurrent_requests=1, max_waiting_requests=4),
-                        live.drafter_address)
-    server = await start_server(LOOPBACK, register(orch), ["specdec.v1.Generation"])
-    release, held = asyncio.Event(), asyncio.Event()
-    holder = asyncio.ensure_future(_holding_the_slot(orch, release, held))
-    try:
-        await held.wait()
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Generate(pb.GenerateRequest(text="x = 1", max_new_tokens=3, drafter="ngram"), timeout=0.5)
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            for _ in range(50):
-                if orch.admission.waiting == 0:
-                    break
-                await asyncio.sleep(0.02)
-            assert orch.admission.waiting == 0 and orch.running == 1  # it left the line and took no slot
-    finally:
-        release.set()
-        await holder
-        await server.stop(0)
+    async with slot_taken(cluster, max_waiting=4) as (orch, stub, _):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Generate(pb.GenerateRequest(text="x = 1", max_new_tokens=3, drafter="ngram"), timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await until(lambda: orch.admission.waiting == 0, timeout_s=1.0)
+        assert orch.admission.waiting == 0 and orch.running == 1  # it left the line and took no slot
     assert orch.running == 0
 
 

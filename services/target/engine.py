@@ -159,20 +159,26 @@ class VerifierEngine:
         elapsed = time.perf_counter_ns() - t0  # each step waited for the whole batch
         return [VerifyOutcome(*r, elapsed) if isinstance(r, tuple) else r for r in results]
 
-    def due_blocks(self) -> list[tuple[str, list[tuple[int, bytes]]]]:
-        """Every session's KV blocks that have become full and valid since last asked, encoded."""
+    def due_blocks(self, session_ids: Sequence[str]) -> list[tuple[str, list[tuple[int, bytes]]]]:
+        """The KV blocks of these sessions (those a batch just stepped) that have become full and
+        valid since last asked, encoded."""
         if self.layout is None:
             return []
         b = self.layout.block_tokens
         out = []
-        for session_id in self.sessions.ids():
+        for session_id in dict.fromkeys(session_ids):
             s = self.sessions.peek(session_id)
-            # Valid keys and values: the cached positions that are still the committed tokens.
-            valid = common_prefix_len(s.kv.cached_ids, s.committed)
+            if s is None:
+                continue
+            # Valid keys and values: the cached positions that are still the committed tokens. The
+            # blocks written are valid already, so compare only past them (a block and a step, not
+            # the whole sequence, per step).
+            done = s.blocks_written * b
+            valid = done + common_prefix_len(s.kv.cached_ids[done:], s.committed[done:])
             full = valid // b
             if full > s.blocks_written:
                 buf = s.kv.decode_cache.buf
-                blocks = [(i, encode_block(self.layout, i * b, s.committed, buf[:, :, :, i * b:(i + 1) * b].clone()))
+                blocks = [(i, encode_block(self.layout, i * b, s.committed, buf[:, :, :, i * b:(i + 1) * b]))
                           for i in range(s.blocks_written, full)]
                 s.blocks_written = full
                 out.append((session_id, blocks))
@@ -269,6 +275,7 @@ class AsyncVerifierEngine:
         self._batcher: asyncio.Task | None = None
         self._arrived = asyncio.Event()
         self._freed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by verify(): where the KV writer runs
         self.batch_sizes: collections.Counter[int] = collections.Counter()  # sessions per forward, for benchmarks
         self.batch_costs = BatchCostModel()  # what a verified row costs under the load now (core/goodput.py)
         self._last_batch_end: float | None = None
@@ -368,7 +375,7 @@ class AsyncVerifierEngine:
             with self.metrics.busy():
                 results = self.engine.verify_batch(steps)
         if self.kv_store is not None:  # encoded here, on the model's thread; written by the store's own task
-            due = self.engine.due_blocks()
+            due = self.engine.due_blocks([session_id for session_id, _ in steps])
             if due:
                 loop = self._loop
                 for session_id, blocks in due:
