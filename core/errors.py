@@ -22,6 +22,15 @@ class SessionOutOfSync(SpecdecError):
     """The caller's view of a session's committed tokens disagrees with the worker's (FAILED_PRECONDITION)."""
 
 
+class SessionMoved(SessionOutOfSync):
+    """The session committed more while it was being resumed: read it again (FAILED_PRECONDITION)."""
+
+
+class SessionTakenOver(SpecdecError):
+    """The session was resumed by a newer stream (another orchestrator or worker holds it now): this
+    one must stop writing to it (maps to ABORTED)."""
+
+
 class CorruptRecord(SpecdecError):
     """A stored value is corrupt or was not written by this format version (maps to DATA_LOSS)."""
 

@@ -33,6 +33,7 @@ from specdec.core.sessions import (
     SessionStatus,
     SpecCounters,
     check_claim,
+    taken_over,
     check_finish,
     check_record,
     check_session_id,
@@ -53,8 +54,10 @@ _FIELDS = frozenset(
 _INT_RE = re.compile(rb"-?[0-9]{1,40}")
 _PREFIX_RE = re.compile(r"[0-9A-Za-z_.:-]{1,64}")
 
-# Script results: 1 done, 0 no such session, -1 the key holds something that is not our session.
-_OK, _MISSING, _FOREIGN = 1, 0, -1
+# Script results: 1 done, 0 no such session, -1 the key holds something that is not our session,
+# -2 another stream holds the session (see SessionStore: writes are fenced by a holder token).
+_OK, _MISSING, _FOREIGN, _TAKEN = 1, 0, -1, -2
+_OPTIONAL_FIELDS = frozenset({b"holder"})  # records written before fencing have none
 
 # A common guard: the hash exists, is a version-ARGV[2] session, and its output key is a string.
 # Checked before any write because Redis does not roll a script back when a later command fails.
@@ -64,8 +67,12 @@ if t == 'none' then return 0 end
 if t ~= 'hash' or redis.call('HGET', KEYS[1], 'v') ~= ARGV[2] then return -1 end
 if redis.call('TYPE', KEYS[2])['ok'] ~= 'string' then return -1 end
 """
+# After _GUARD, for writes by a stream: ARGV[n] is its holder token ('' = not checked).
+_FENCE = """
+if ARGV[{n}] ~= '' and redis.call('HGET', KEYS[1], 'holder') ~= ARGV[{n}] then return -2 end
+"""
 
-# KEYS: hash, out, k. ARGV: ttl_ms, version, packed output, then field/value pairs for the hash.
+# KEYS: hash, out, k. ARGV: ttl_ms, version, packed output, then field/value pairs for the hash (holder among them).
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'v', ARGV[2], unpack(ARGV, 4))
@@ -75,8 +82,8 @@ redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
 
-# KEYS: hash, out, k. ARGV: ttl_ms, version, packed new tokens, counters JSON, updated_at, step k bytes.
-_COMMIT = _GUARD + """
+# KEYS: hash, out, k. ARGV: ttl_ms, version, packed new tokens, counters JSON, updated_at, step k bytes, holder.
+_COMMIT = _GUARD + _FENCE.format(n=7) + """
 redis.call('APPEND', KEYS[2], ARGV[3])
 redis.call('APPEND', KEYS[3], ARGV[6])
 redis.call('PEXPIRE', KEYS[3], ARGV[1])
@@ -86,8 +93,8 @@ redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return 1
 """
 
-# KEYS: hash, out, k. ARGV: ttl_ms, version, status, finish_reason, updated_at.
-_FINISH = _GUARD + """
+# KEYS: hash, out, k. ARGV: ttl_ms, version, status, finish_reason, updated_at, holder.
+_FINISH = _GUARD + _FENCE.format(n=6) + """
 redis.call('PEXPIRE', KEYS[3], ARGV[1])
 redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finish_reason', ARGV[4], 'updated_at', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
@@ -95,15 +102,13 @@ redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return 1
 """
 
-# KEYS: hash, out, k. ARGV: ttl_ms, version, updated_at, live_after (a running session updated
-# after it is still someone's), expected output bytes. Takes a session over, atomically: 2 finished,
-# 3 still live elsewhere, 4 its output moved since the caller read it.
+# KEYS: hash, out, k. ARGV: ttl_ms, version, updated_at, new holder, expected output bytes. Takes
+# a session over, atomically (the new holder fences off whoever wrote before): 2 finished, 4 its
+# output moved since the caller read it.
 _CLAIM = _GUARD + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'finished' then return 2 end
-if status == 'running' and tonumber(redis.call('HGET', KEYS[1], 'updated_at')) > tonumber(ARGV[4]) then return 3 end
+if redis.call('HGET', KEYS[1], 'status') == 'finished' then return 2 end
 if redis.call('STRLEN', KEYS[2]) ~= tonumber(ARGV[5]) then return 4 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'finish_reason', '', 'updated_at', ARGV[3])
+redis.call('HSET', KEYS[1], 'status', 'running', 'finish_reason', '', 'updated_at', ARGV[3], 'holder', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 redis.call('PEXPIRE', KEYS[3], ARGV[1])
@@ -184,6 +189,8 @@ class RedisSessionStore:
         return [key, key + ":out", key + ":k"]
 
     def _check_result(self, result: int, session_id: str) -> None:
+        if result == _TAKEN:
+            raise taken_over(session_id)
         if result == _MISSING:
             raise SessionNotFound(f"no session {short_id(session_id)} in Redis (unknown or expired)")
         if result == _FOREIGN:
@@ -192,9 +199,10 @@ class RedisSessionStore:
             )
 
     @_store_errors
-    async def create(self, record: SessionRecord) -> None:
+    async def create(self, record: SessionRecord, holder: str = "") -> None:
         check_record(record)
         fields = {
+            "holder": holder,
             "prompt": pack_ids(record.prompt_ids),
             "params": params_to_json(record.params),
             "seed": str(record.seed),
@@ -245,28 +253,27 @@ class RedisSessionStore:
 
     @_store_errors
     async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters,
-                     step_ks: Sequence[int] = ()) -> None:
+                     step_ks: Sequence[int] = (), holder: str = "") -> None:
         if not isinstance(counters, SpecCounters):
             raise InvalidRequest(f"counters must be SpecCounters, got {counters!r}")
         packed, counters_json = pack_ids(new_output_ids), json.dumps(counters.to_dict())
-        args = [self._ttl_ms, FORMAT_VERSION, packed, counters_json, repr(time.time()), pack_ks(step_ks)]
+        args = [self._ttl_ms, FORMAT_VERSION, packed, counters_json, repr(time.time()), pack_ks(step_ks), holder]
         self._check_result(await self._commit(keys=self._keys(session_id), args=args), session_id)
 
     @_store_errors
-    async def finish(self, session_id: str, status: SessionStatus, finish_reason: str) -> None:
+    async def finish(self, session_id: str, status: SessionStatus, finish_reason: str, holder: str = "") -> None:
         check_finish(status, finish_reason)
-        args = [self._ttl_ms, FORMAT_VERSION, status.value, finish_reason, repr(time.time())]
+        args = [self._ttl_ms, FORMAT_VERSION, status.value, finish_reason, repr(time.time()), holder]
         self._check_result(await self._finish(keys=self._keys(session_id), args=args), session_id)
         await self._redis.zrem(self.running_key, session_id)
 
     @_store_errors
-    async def claim(self, session_id: str, output_len: int, lease_s: float) -> None:
+    async def claim(self, session_id: str, output_len: int, holder: str) -> None:
         """Take a session over to continue it (see SessionStore.claim)."""
-        now = time.time()
-        args = [self._ttl_ms, FORMAT_VERSION, repr(now), repr(now - lease_s), 4 * output_len]
+        args = [self._ttl_ms, FORMAT_VERSION, repr(time.time()), holder, 4 * output_len]
         result = await self._claim(keys=self._keys(session_id), args=args)
         self._check_result(result, session_id)
-        check_claim(result, session_id, lease_s)
+        check_claim(result, session_id)
         await self._index_running(session_id)
 
     @_store_errors
@@ -304,8 +311,8 @@ def _decode(session_id: str, raw: dict[bytes, bytes], out: bytes | None, ks: byt
     ``ks`` may be missing: records written before the schedule was kept have none."""
     if raw.get(b"v") != FORMAT_VERSION.encode():
         raise CorruptRecord(f"format version {raw.get(b'v')!r}, expected {FORMAT_VERSION!r}")
-    if set(raw) != _FIELDS:
-        missing, extra = sorted(_FIELDS - set(raw)), sorted(set(raw) - _FIELDS)
+    if set(raw) - _OPTIONAL_FIELDS != _FIELDS:
+        missing, extra = sorted(_FIELDS - set(raw)), sorted(set(raw) - _FIELDS - _OPTIONAL_FIELDS)
         raise CorruptRecord(f"fields missing {missing}, unexpected {extra}")
     if out is None:
         raise CorruptRecord("the output key is missing")

@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol, runtime_checkable
 
-from specdec.core.errors import CorruptRecord, InvalidRequest, SessionNotFound, SessionOutOfSync
+from specdec.core.errors import (CorruptRecord, InvalidRequest, SessionMoved, SessionNotFound, SessionOutOfSync,
+                                 SessionTakenOver)
 
 # Session ids end up inside Redis keys (as a Cluster hash tag), so no braces, colons or globs.
 _SESSION_ID_RE = re.compile(r"[0-9a-f]{32}")
@@ -238,39 +239,53 @@ def check_finish(status: SessionStatus, finish_reason: str) -> None:
         raise InvalidRequest(f"finish_reason must be a str, got {finish_reason!r}")
 
 
-CLAIMED, CLAIM_FINISHED, CLAIM_LIVE, CLAIM_MOVED = 1, 2, 3, 4
+CLAIMED, CLAIM_FINISHED, CLAIM_MOVED = 1, 2, 4
 
 
-def check_claim(result: int, session_id: str, lease_s: float) -> None:
+def new_holder() -> str:
+    """A fresh fencing token for one stream of a session (see SessionStore.claim)."""
+    return secrets.token_hex(8)
+
+
+def check_claim(result: int, session_id: str) -> None:
     """Why a claim was refused, as the error the caller acts on."""
     if result == CLAIM_FINISHED:
         raise SessionOutOfSync(f"session {short_id(session_id)} has finished: there is nothing to continue")
-    if result == CLAIM_LIVE:
-        raise SessionOutOfSync(f"session {short_id(session_id)} is still streaming from an orchestrator (it committed "
-                               f"within the last {lease_s:g}s): resume after that stream ends or goes quiet")
     if result == CLAIM_MOVED:
-        raise SessionOutOfSync(f"session {short_id(session_id)} moved on while it was being resumed: resume again")
+        raise SessionMoved(f"session {short_id(session_id)} moved on while it was being resumed: resume again")
+
+
+def taken_over(session_id: str) -> SessionTakenOver:
+    return SessionTakenOver(f"session {short_id(session_id)} was resumed by a newer stream; this one has ended "
+                            "(read the rest from the stream that resumed it)")
 
 
 @runtime_checkable
 class SessionStore(Protocol):
-    """Where sessions live between steps. Every write refreshes the session's TTL; reads do not."""
+    """Where sessions live between steps. Every write refreshes the session's TTL; reads do not.
 
-    async def create(self, record: SessionRecord) -> None:
-        """Store a new session; InvalidRequest if one with that id exists."""
+    Writes are fenced: the stream that creates or claims a session names itself by a ``holder``
+    token (`new_holder`), and a commit or finish naming another holder is refused with
+    SessionTakenOver, changing nothing. So an orchestrator that was paused (SIGSTOP, a long GC, a
+    partition) and wakes after its session was resumed elsewhere can never append to it. An empty
+    holder is not checked (single-writer callers: tests, tools).
+    """
+
+    async def create(self, record: SessionRecord, holder: str = "") -> None:
+        """Store a new session, held by ``holder``; InvalidRequest if one with that id exists."""
         ...
 
     async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters,
-                     step_ks: Sequence[int] = ()) -> None:
+                     step_ks: Sequence[int] = (), holder: str = "") -> None:
         """Append `new_output_ids` to the output, `step_ks` (the speculation lengths of the steps that
         committed them) to the schedule, and replace the counters with these totals.
 
-        SessionNotFound if the session is missing or expired.
+        SessionNotFound if the session is missing or expired; SessionTakenOver if another holds it.
         """
         ...
 
-    async def finish(self, session_id: str, status: SessionStatus, finish_reason: str) -> None:
-        """Set the final status and reason; SessionNotFound if missing."""
+    async def finish(self, session_id: str, status: SessionStatus, finish_reason: str, holder: str = "") -> None:
+        """Set the final status and reason; SessionNotFound if missing, SessionTakenOver if another holds it."""
         ...
 
     async def abandon_stale(self, lease_s: float, limit: int = 256) -> list[str]:
@@ -278,10 +293,11 @@ class SessionStore(Protocol):
         record never stays running after its orchestrator died. Returns their ids."""
         ...
 
-    async def claim(self, session_id: str, output_len: int, lease_s: float) -> None:
-        """Take a session over to continue it, atomically: marks it running again unless it has
-        finished, is still running and committed within ``lease_s`` (its orchestrator is alive),
-        or no longer holds ``output_len`` tokens; each refusal is SessionOutOfSync saying which."""
+    async def claim(self, session_id: str, output_len: int, holder: str) -> None:
+        """Take a session over to continue it, atomically: ``holder`` holds it from now on and it is
+        running again, unless it has finished or no longer holds ``output_len`` tokens (each refusal
+        is SessionOutOfSync saying which). A stream still writing to it is fenced off: the newest
+        stream of a session wins, so a client never waits for a lease to lapse to resume."""
         ...
 
     async def get(self, session_id: str) -> SessionRecord:
@@ -304,6 +320,7 @@ class _Entry:
     output: list[int]  # a list so commit appends in O(new tokens)
     step_ks: list[int]
     expires_at: float  # on the store's monotonic clock
+    holder: str = ""
 
 
 class InMemorySessionStore:
@@ -337,7 +354,7 @@ class InMemorySessionStore:
                 del self._entries[sid]
             self._next_sweep = now + self._ttl_s
 
-    async def create(self, record: SessionRecord) -> None:
+    async def create(self, record: SessionRecord, holder: str = "") -> None:
         check_record(record)
         params_json = params_to_json(record.params)
         output = list(unpack_ids(pack_ids(record.output_ids)))  # validates the ids as Redis would
@@ -356,15 +373,22 @@ class InMemorySessionStore:
             output=output,
             step_ks=list(unpack_ks(pack_ks(record.step_ks))),
             expires_at=now + self._ttl_s,
+            holder=holder,
         )
 
+    def _held(self, session_id: str, holder: str) -> _Entry:
+        entry = self._live(session_id)
+        if holder and entry.holder != holder:
+            raise taken_over(session_id)
+        return entry
+
     async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters,
-                     step_ks: Sequence[int] = ()) -> None:
+                     step_ks: Sequence[int] = (), holder: str = "") -> None:
         if not isinstance(counters, SpecCounters):
             raise InvalidRequest(f"counters must be SpecCounters, got {counters!r}")
         new_ids = unpack_ids(pack_ids(new_output_ids))
         new_ks = unpack_ks(pack_ks(step_ks))
-        entry = self._live(session_id)
+        entry = self._held(session_id, holder)
         entry.output.extend(new_ids)
         entry.step_ks.extend(new_ks)
         entry.record = replace(entry.record, counters=counters, updated_at=time.time())
@@ -382,24 +406,22 @@ class InMemorySessionStore:
                     break
         return marked
 
-    async def claim(self, session_id: str, output_len: int, lease_s: float) -> None:
+    async def claim(self, session_id: str, output_len: int, holder: str) -> None:
         entry = self._live(session_id)
-        status = entry.record.status
-        if status is SessionStatus.FINISHED:
+        if entry.record.status is SessionStatus.FINISHED:
             result = CLAIM_FINISHED
-        elif status is SessionStatus.RUNNING and entry.record.updated_at > time.time() - lease_s:
-            result = CLAIM_LIVE
         elif len(entry.output) != output_len:
             result = CLAIM_MOVED
         else:
             entry.record = replace(entry.record, status=SessionStatus.RUNNING, finish_reason="", updated_at=time.time())
             entry.expires_at = self._clock() + self._ttl_s
+            entry.holder = holder
             result = CLAIMED
-        check_claim(result, session_id, lease_s)
+        check_claim(result, session_id)
 
-    async def finish(self, session_id: str, status: SessionStatus, finish_reason: str) -> None:
+    async def finish(self, session_id: str, status: SessionStatus, finish_reason: str, holder: str = "") -> None:
         check_finish(status, finish_reason)
-        entry = self._live(session_id)
+        entry = self._held(session_id, holder)
         entry.record = replace(entry.record, status=status, finish_reason=finish_reason, updated_at=time.time())
         entry.expires_at = self._clock() + self._ttl_s
 

@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specdec.core.errors import InvalidRequest, SessionNotFound, SpecdecError, WorkerUnavailable
-from specdec.core.sessions import SessionRecord, SessionStatus, SessionStore, SpecCounters, new_session_id, short_id
+from specdec.core.errors import InvalidRequest, SessionMoved, SessionNotFound, SessionTakenOver, SpecdecError, WorkerUnavailable
+from specdec.core.sessions import (SessionRecord, SessionStatus, SessionStore, SpecCounters, new_holder, new_session_id,
+                                   short_id)
 from specdec.core.steps import SessionRun, SessionSpec, VerifyWorker, validate_prompt
 from specdec.orchestrator.admission import AdmissionQueue
 from specdec.orchestrator.detokenize import Detokenizer
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 5.0
+RESUME_ATTEMPTS = 5
 
 
 class FinishReason(enum.Enum):
@@ -163,32 +165,54 @@ class Orchestrator:
         drafter_address, drafter_name = await self._place_drafter()
         run = SessionRun(spec, drafter_address, request.max_new_tokens, request.policy,
                          () if self.target.eos_token_id is None else (self.target.eos_token_id,), drafter_name)
-        await self.store.create(record)
-        async with contextlib.aclosing(self._tracked(session_id, self._loop(request, run))) as chunks:
+        holder = new_holder()  # this stream's fencing token: a resume elsewhere fences it off
+        await self.store.create(record, holder)
+        async with contextlib.aclosing(self._tracked(session_id, holder, self._loop(request, run, holder))) as chunks:
             async for chunk in chunks:
                 yield chunk
 
-    async def _tracked(self, session_id: str, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-        """The session's chunks, its record marked finished, cancelled or failed however it ends."""
+    async def _tracked(self, session_id: str, holder: str, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+        """The session's chunks, its record marked finished, cancelled or failed however it ends
+        (unless a newer stream took it over: that one's record is not this stream's to mark)."""
         status, reason = SessionStatus.FAILED, ""
         try:
             async for chunk in chunks:
                 if chunk.finish_reason is not None:
                     status, reason = SessionStatus.FINISHED, chunk.finish_reason.value
-                    await self.store.finish(session_id, status, reason)
+                    await self.store.finish(session_id, status, reason, holder)
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):
             status = SessionStatus.CANCELLED
             raise
+        except SessionTakenOver:
+            status = SessionStatus.FINISHED  # not ours to mark any more
+            log.info("session %s: resumed by another stream; this one ends", short_id(session_id))
+            raise
         finally:
             if status is not SessionStatus.FINISHED:
-                await self._mark(session_id, status, reason)
+                await self._mark(session_id, status, reason, holder)
 
     async def resume(self, session_id: str, owner: str, received: int) -> AsyncIterator[Chunk]:
+        """`_resume_once`, read again while a stream being fenced off still commits (a few times)."""
+        for attempt in range(RESUME_ATTEMPTS):
+            started = False
+            try:
+                async with contextlib.aclosing(self._resume_once(session_id, owner, received)) as chunks:
+                    async for chunk in chunks:
+                        started = True
+                        yield chunk
+                return
+            except SessionMoved:
+                if started or attempt == RESUME_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(0.01 * (attempt + 1))
+
+    async def _resume_once(self, session_id: str, owner: str, received: int) -> AsyncIterator[Chunk]:
         """Continue a session whose stream broke, here: the committed tokens after the first
         ``received``, then the rest of the generation from the prompt and every committed token
         (a new verifier session at the same positions: greedy and coupled output go on exactly).
-        Only its owner may; SessionOutOfSync while its orchestrator still streams it."""
+        Only its owner may. A stream still running it elsewhere (its orchestrator paused, or the
+        client lost sight of a live one) is fenced off and ends with ABORTED: the newest stream wins."""
         record = await self.session(session_id, owner)
         output = tuple(record.output_ids)
         if not 0 <= received <= len(output):
@@ -218,25 +242,26 @@ class Orchestrator:
             yield undelivered(detok.add(output[received:]) + detok.finish(), ended)
             return
         async with self.admission.slot():
-            await self.store.claim(session_id, len(output), self.config.resume_lease_s)
+            holder = new_holder()
+            await self.store.claim(session_id, len(output), holder)
             spec = SessionSpec(session_id, tuple(record.prompt_ids) + output, request.sampling,
                                request.drafter or self.config.default_drafter)
             drafter_address, drafter_name = await self._place_drafter()
             run = SessionRun(spec, drafter_address, request.max_new_tokens - len(output), request.policy,
                              () if self.target.eos_token_id is None else (self.target.eos_token_id,), drafter_name)
-            rest = self._loop(request, run, detok=detok, generated=len(output), counters=record.counters,
+            rest = self._loop(request, run, holder, detok=detok, generated=len(output), counters=record.counters,
                               prompt_tokens=len(record.prompt_ids))
-            async with contextlib.aclosing(self._tracked(session_id, rest)) as chunks:
+            async with contextlib.aclosing(self._tracked(session_id, holder, rest)) as chunks:
                 if received < len(output):  # committed before the break, never delivered
                     yield undelivered(detok.add(output[received:]), None)
                 async for chunk in chunks:
                     yield chunk
 
-    async def _mark(self, session_id: str, status: SessionStatus, reason: str) -> None:
+    async def _mark(self, session_id: str, status: SessionStatus, reason: str, holder: str) -> None:
         """Record how a session that did not finish ended; shielded, so a cancelled request still does it."""
         async def mark() -> None:
             try:
-                await self.store.finish(session_id, status, reason)
+                await self.store.finish(session_id, status, reason, holder)
             except Exception as exc:  # the record may not exist if create failed
                 log.debug("marking session %s %s: %s", short_id(session_id), status.value, exc)
 
@@ -246,7 +271,7 @@ class Orchestrator:
         except (asyncio.CancelledError, asyncio.TimeoutError):
             pass
 
-    async def _loop(self, request: GenerationRequest, run: SessionRun, *, detok: Detokenizer | None = None,
+    async def _loop(self, request: GenerationRequest, run: SessionRun, holder: str, *, detok: Detokenizer | None = None,
                     generated: int = 0, counters: SpecCounters | None = None,
                     prompt_tokens: int | None = None) -> AsyncIterator[Chunk]:
         """The session's steps as chunks; a resumed session passes what it had already generated."""
@@ -268,7 +293,7 @@ class Orchestrator:
                 if finish is None and step.finished:
                     finish = FinishReason.CONTEXT_FULL  # the verifier ended it for want of room
                 # Nothing lost: the committed tokens are in the store before the client sees them.
-                await self.store.commit(spec.session_id, tokens, counters, (drafted,))
+                await self.store.commit(spec.session_id, tokens, counters, (drafted,), holder)
                 if finish is not None:
                     text += detok.finish()
                 yield Chunk(token_ids=tokens, text=text, finish_reason=finish, completion_tokens=generated,

@@ -8,7 +8,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from specdec.core.errors import InvalidRequest, SessionNotFound
+from specdec.core.errors import InvalidRequest, SessionNotFound, SessionTakenOver
 from specdec.orchestrator.loop import Orchestrator, collect
 from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
 from specdec.orchestrator.servicer import register
@@ -79,26 +79,66 @@ async def test_a_stream_broken_by_its_orchestrator_resumes_on_another(replicas, 
     assert record.status.value == "finished" and list(record.output_ids) == list(whole.token_ids)
 
 
-async def test_a_session_still_streaming_elsewhere_is_not_taken_until_its_lease_lapses(replicas, cluster):
-    orchs, _, (_, to_b) = replicas
-    request = GenerationRequest(prompt_text=PROMPT, max_new_tokens=40, drafter="ngram")
-    _, whole, _ = await collect(orchs[1].generate(request))
-    chunks = orchs[0].generate(request)
-    first = await anext(chunks)  # one chunk, then the client goes away
+class PausableStore:
+    """The shared store, with commits that wait at a gate once it is shut: an orchestrator paused
+    mid-session (SIGSTOP, a long GC) as seen from Redis."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.paused = asyncio.Event()  # set when a commit is held at the gate
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    async def commit(self, *args, **kwargs):
+        if not self.gate.is_set():
+            self.paused.set()
+            await self.gate.wait()
+        return await self._store.commit(*args, **kwargs)
+
+
+async def test_resuming_a_session_still_held_elsewhere_fences_the_old_stream_off(cluster):
+    """The client resumes at once (no lease to wait out); the paused stream, when it wakes, can
+    write nothing more to the session and ends with ABORTED; the record holds exactly one run."""
+    live = cluster.orchestrator
+    config = OrchestratorConfig(max_new_tokens_limit=256)
+    paused_store = PausableStore(cluster.store)
+    a = Orchestrator(live.target, live.verifier, paused_store, config, live.drafter_address)
+    b = Orchestrator(live.target, live.verifier, cluster.store, config, live.drafter_address)
+    request = GenerationRequest(prompt_text=PROMPT, max_new_tokens=60, drafter="ngram")
+    _, whole, _ = await collect(b.generate(request))
+    chunks = a.generate(request)
+    first = await anext(chunks)
+    paused_store.gate.clear()  # A's next commit hangs, as its process would
+    second = asyncio.ensure_future(anext(chunks))
+    await asyncio.wait_for(paused_store.paused.wait(), 10)
+    _, rest, _ = await collect(b.resume(first.session_id, "", len(first.token_ids)))
+    assert first.token_ids + rest == whole
+    paused_store.gate.set()  # A wakes up and tries to commit its step
+    with pytest.raises(SessionTakenOver, match="resumed by a newer stream"):
+        await second
     await chunks.aclose()
-    sid = first.session_id
-    stored = await cluster.store.get(sid)
-    assert 0 < len(stored.output_ids) < 40
-    # As if its orchestrator were still streaming it: running, and it has just committed.
-    await cluster.store.claim(sid, len(stored.output_ids), LEASE_S)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in to_b.ResumeStream(pb.ResumeRequest(session_id=sid, received_tokens=0), timeout=10):
+    record = await cluster.store.get(first.session_id)
+    assert record.output_ids == whole and record.status.value == "finished"
+
+
+async def test_a_stream_taken_over_ends_with_aborted_on_the_wire(replicas, cluster):
+    orchs, _, (to_a, to_b) = replicas
+    call = to_a.GenerateStream(stream_request(200), timeout=60)
+    first = await anext(aiter(call))
+    rest = [t async for msg in to_b.ResumeStream(pb.ResumeRequest(session_id=first.session_id,
+                                                                  received_tokens=len(first.token_ids)), timeout=60)
+            for t in msg.token_ids]
+    whole = await to_b.Generate(stream_request(200), timeout=60)
+    assert list(first.token_ids) + rest == list(whole.token_ids)
+    try:  # A either finished before B took over (its tokens are the same) or was fenced off
+        async for _ in call:
             pass
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "still streaming" in err.value.details()
-    await asyncio.sleep(LEASE_S + 0.1)  # no commit for a whole lease: its orchestrator is taken for gone
-    got = [t async for msg in to_b.ResumeStream(pb.ResumeRequest(session_id=sid, received_tokens=0), timeout=30)
-           for t in msg.token_ids]
-    assert tuple(got) == whole
+    except grpc.aio.AioRpcError as err:
+        assert err.code() == grpc.StatusCode.ABORTED and "resumed by a newer stream" in err.details()
+    assert list((await cluster.store.get(first.session_id)).output_ids) == list(whole.token_ids)
 
 
 async def test_only_the_owner_may_resume_and_the_count_must_fit(replicas):

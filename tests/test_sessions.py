@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from specdec.core.errors import CorruptRecord, InvalidRequest, SessionNotFound
+from specdec.core.errors import CorruptRecord, InvalidRequest, SessionMoved, SessionNotFound, SessionOutOfSync, SessionTakenOver
 from specdec.core.redis_store import RedisSessionStore
 from specdec.core.sessions import (
     InMemorySessionStore,
@@ -150,6 +150,34 @@ async def test_finish_sets_status_and_reason(make_store: MakeStore) -> None:
     assert (got.status, got.finish_reason, got.output_ids) == (SessionStatus.CANCELLED, "client cancelled", (4, 5))
     with pytest.raises(InvalidRequest):
         await store.finish(record.session_id, SessionStatus.RUNNING, "")
+
+
+async def test_writes_are_fenced_by_the_holder_that_claimed_last(make_store: MakeStore) -> None:
+    """A claim hands the session to a new holder at once; the old holder's commit and finish are
+    refused (SessionTakenOver) and change nothing; a finished session cannot be claimed; a claim
+    at a stale length is refused (SessionMoved) and changes nothing."""
+    store = make_store()
+    record = make_record()
+    await store.create(record, "old")
+    await store.commit(record.session_id, [4], SpecCounters(verify_steps=1), (1,), holder="old")
+    with pytest.raises(SessionMoved):
+        await store.claim(record.session_id, 0, "new")
+    await store.commit(record.session_id, [5], SpecCounters(verify_steps=2), (1,), holder="old")  # still old's
+    await store.claim(record.session_id, 2, "new")
+    before = await store.get(record.session_id)
+    for write in (store.commit(record.session_id, [6], SpecCounters(verify_steps=9), (2,), holder="old"),
+                  store.finish(record.session_id, SessionStatus.FAILED, "", holder="old")):
+        with pytest.raises(SessionTakenOver):
+            await write
+    after = await store.get(record.session_id)
+    assert (after.output_ids, after.step_ks, after.counters, after.status) == (
+        before.output_ids, before.step_ks, before.counters, SessionStatus.RUNNING)
+    await store.commit(record.session_id, [7], SpecCounters(verify_steps=3), (0,), holder="new")
+    await store.finish(record.session_id, SessionStatus.FINISHED, "length", holder="new")
+    got = await store.get(record.session_id)
+    assert (got.output_ids, got.step_ks, got.status) == ((4, 5, 7), (1, 1, 0), SessionStatus.FINISHED)
+    with pytest.raises(SessionOutOfSync, match="has finished"):
+        await store.claim(record.session_id, 3, "newer")
 
 
 async def test_unknown_session(make_store: MakeStore) -> None:

@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec.rpc.auth import BearerInterceptor, Credentials
 from specdec.rpc.last_resort import LastResortInterceptor
-from specdec.rpc.options import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401 (re-exported)
+from specdec.rpc.options import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, SERVER_OPTIONS  # noqa: F401 (re-exported)
 from specdec.rpc.tls import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ async def start_server(config: ServerConfig, register: Callable[[grpc.aio.Server
     # Outermost first: authentication refuses before anything runs; the last resort wraps what does.
     interceptors = [BearerInterceptor(config.credentials)] if config.credentials.required else []
     interceptors.append(LastResortInterceptor())
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -14,6 +14,7 @@ STATUS: dict[type[errors.SpecdecError], grpc.StatusCode] = {
     errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     errors.SessionNotFound: grpc.StatusCode.NOT_FOUND,
     errors.SessionOutOfSync: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.SessionTakenOver: grpc.StatusCode.ABORTED,
     errors.Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.CorruptRecord: grpc.StatusCode.DATA_LOSS,
     errors.ModelMismatch: grpc.StatusCode.FAILED_PRECONDITION,
@@ -79,7 +80,8 @@ def raise_for(err: grpc.aio.AioRpcError, worker: str) -> None:
     becomes WorkerUnavailable: the client sees UNAVAILABLE, which it may retry, never UNKNOWN.
     """
     code = err.code()
-    for cls in (errors.InvalidRequest, errors.SessionNotFound, errors.SessionOutOfSync, errors.Overloaded, errors.DeadlineExceeded):
+    for cls in (errors.InvalidRequest, errors.SessionNotFound, errors.SessionOutOfSync, errors.SessionTakenOver, errors.Overloaded,
+                errors.DeadlineExceeded):
         if STATUS[cls] == code:
             raise cls(err.details() or code.name) from err
     raise errors.WorkerUnavailable(f"{worker}: {code.name}: {err.details()}") from err
