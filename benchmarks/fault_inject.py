@@ -43,6 +43,7 @@ from specdec.v1 import common_pb2, drafter_pb2_grpc, generation_pb2 as pb, verif
 
 DEMO = ROOT / "models" / "demo"
 ROLES = ("draft", "target", "orchestrator")
+FAULT_ROLES = (*ROLES, "redis")
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
 
 
@@ -84,6 +85,14 @@ class Process:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+class RedisProcess(Process):
+    """The session store, with every write fsynced to its append-only file before it is acknowledged:
+    a crash loses nothing a client has been sent."""
+
+    def healthy(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and ping("127.0.0.1", self.port)
+
+
 class Deployment:
     """2 drafters, 2 verifiers, 2 orchestrators and a redis-server, all separate processes."""
 
@@ -93,16 +102,23 @@ class Deployment:
         (workdir / "logs").mkdir(parents=True, exist_ok=True)
         self.certs = make_dev_certs(str(workdir / "tls"), ["127.0.0.1"], days=1)
         self.tls = TlsFiles(str(self.certs["tls.crt"]), str(self.certs["tls.key"]), str(self.certs["ca.crt"]))
-        self.redis_port = free_port()
-        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
-        self.redis: subprocess.Popen | None = None
+        redis_server = shutil.which("redis-server")
+        if redis_server is None:
+            raise SystemExit("fault_inject needs redis-server on PATH")
+        redis_port = free_port()
+        self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        (workdir / "redis").mkdir(exist_ok=True)
+        self.redis = RedisProcess("redis", 0, redis_port, 0,
+                                  [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                   "--appendonly", "yes", "--appendfsync", "always", "--dir", str(workdir / "redis")],
+                                  workdir / "logs" / "redis.log")
         # One torch thread per process and OpenMP threads that sleep when idle (FINDINGS.md: spinning
         # workers make their neighbours on a small machine many times slower).
         self.env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
         common = [sys.executable, "-m", "specdec", "serve", "--target", target, "--draft", draft, "--threads", str(threads),
                   "--tls-cert", str(self.certs["tls.crt"]), "--tls-key", str(self.certs["tls.key"]),
                   "--tls-ca", str(self.certs["ca.crt"]), "--grace-s", str(grace_s)]
-        self.processes: dict[str, list[Process]] = {role: [] for role in ROLES}
+        self.processes: dict[str, list[Process]] = {"redis": [self.redis], **{role: [] for role in ROLES}}
         ports = {role: [free_port() for _ in range(replicas)] for role in ROLES}
         for role in ROLES:
             for i, port in enumerate(ports[role]):
@@ -118,24 +134,16 @@ class Deployment:
 
     @property
     def all(self) -> list[Process]:
-        return [p for role in ROLES for p in self.processes[role]]
+        return [p for role in FAULT_ROLES for p in self.processes[role]]
 
     @property
     def orchestrators(self) -> list[str]:
         return [p.address for p in self.processes["orchestrator"]]
 
     def start(self, ready_timeout_s: float = 300.0) -> None:
-        redis_server = shutil.which("redis-server")
-        if redis_server is None:
-            raise SystemExit("fault_inject needs redis-server on PATH")
-        self.redis = subprocess.Popen([redis_server, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
-                                       "--appendonly", "no", "--dir", str(self.workdir)],
-                                      stdout=open(self.workdir / "logs" / "redis.log", "wb"), stderr=subprocess.STDOUT)
-        while not ping("127.0.0.1", self.redis_port):
-            time.sleep(0.05)
-        for p in self.all:  # workers first: orchestrators ask them for the model at start-up
+        for p in self.all:  # Redis, then workers: orchestrators ask them for the model at start-up
             p.start(self.env)
-            if p.role == "target":
+            if p.role in ("redis", "target"):
                 self.wait_ready([p], ready_timeout_s)
         self.wait_ready(self.all, ready_timeout_s)
 
@@ -159,9 +167,6 @@ class Deployment:
         for p in self.all:
             if p.proc is not None:
                 p.proc.wait()
-        if self.redis is not None:
-            self.redis.kill()
-            self.redis.wait()
 
     async def worker_sessions(self, p: Process) -> int:
         stub_cls = drafter_pb2_grpc.DrafterStub if p.role == "draft" else verifier_pb2_grpc.VerifierStub
@@ -254,6 +259,8 @@ def make_fault(deployment: Deployment, role: str, how: str, stop_s: float, rng: 
         processes = deployment.processes[role]
         if role == "orchestrator":
             load = [sum(r.report.address == p.address for r in results) for p in processes]
+        elif role == "redis":
+            load = [len(results)]
         else:
             load = [await deployment.worker_sessions(p) for p in processes]
         busiest = max(load)
@@ -261,8 +268,12 @@ def make_fault(deployment: Deployment, role: str, how: str, stop_s: float, rng: 
 
     async def fault(results: list[SessionResult]) -> dict:
         p = await victim(results)
-        sessions_on_it = (sum(r.report.address == p.address for r in results) if role == "orchestrator"
-                          else await deployment.worker_sessions(p))
+        if role == "orchestrator":
+            sessions_on_it = sum(r.report.address == p.address for r in results)
+        elif role == "redis":
+            sessions_on_it = len(results)  # every session commits there
+        else:
+            sessions_on_it = await deployment.worker_sessions(p)
         t0 = time.monotonic()
         p.proc.send_signal(SIGNALS[how])
         info = {"victim": p.name, "sessions_on_victim": sessions_on_it}
@@ -403,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-s", type=float, default=5.0, help="how long a SIGSTOP freezes its process")
     ap.add_argument("--step-timeout-s", type=float, default=3.0)
     ap.add_argument("--grace-s", type=float, default=2.0)
-    ap.add_argument("--roles", nargs="+", default=list(ROLES), choices=ROLES)
+    ap.add_argument("--roles", nargs="+", default=list(FAULT_ROLES), choices=FAULT_ROLES)
     ap.add_argument("--signals", nargs="+", default=list(SIGNALS), choices=list(SIGNALS))
     ap.add_argument("--compare-recompute", action="store_true", help="also run verifier kills without KV blocks")
     ap.add_argument("--seed", type=int, default=0)

@@ -3,7 +3,10 @@ off the verify path, read back when a session opens on a replica that has never 
 
 Layout: ``{prefix}:kv:{<session id>}:<block index>``, the session's hash tag (one Redis Cluster
 slot with its record) and its TTL. A block is written once, when it is full; a resumed session
-uses the longest run of valid blocks from position 0 and recomputes the rest.
+uses the longest run of valid blocks from position 0 and recomputes the rest. Blocks are never
+refreshed, so none outlives the session's record (whose TTL every commit renews), and at most
+``max_session_tokens`` positions of a session are kept: its Redis memory for KV is capped at
+``max_session_tokens // block_tokens`` blocks of `BlockLayout.payload_bytes` plus an 80-byte header.
 """
 from __future__ import annotations
 
@@ -23,8 +26,9 @@ log = logging.getLogger(__name__)
 
 class RedisKVStore:
     def __init__(self, client: aioredis.Redis, layout: BlockLayout, *, prefix: str = "specdec", ttl_s: float = 3600,
-                 queue_blocks: int = 256) -> None:
+                 queue_blocks: int = 256, max_session_tokens: int = 4096) -> None:
         self._redis = client
+        self._max_blocks = max_session_tokens // layout.block_tokens
         self.layout = layout
         self._prefix = prefix
         self._ttl_ms = max(1, round(ttl_s * 1000))
@@ -47,6 +51,8 @@ class RedisKVStore:
             self._queue = asyncio.Queue(self._queue_blocks)
             self._writer = asyncio.ensure_future(self._write_forever())
         for index, data in blocks:
+            if index >= self._max_blocks:
+                continue  # past the per-session cap: recomputed on resume
             try:
                 self._queue.put_nowait((session_id, index, data))
             except asyncio.QueueFull:

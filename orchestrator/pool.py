@@ -27,6 +27,7 @@ from specdec.core.sessions import short_id
 from specdec.core.steps import SessionRun, StepCommit, VerifyWorker, WorkerInfo
 
 log = logging.getLogger(__name__)
+STATUS_TIMEOUT_S = 2.0
 
 
 def expand(address: str) -> list[tuple[str, str | None]]:
@@ -78,6 +79,7 @@ class ReplicaPool:
         self._checked_at = float("-inf")
         self._placed: dict[str, int] = {}  # sessions this orchestrator runs there now
         self.failovers = 0
+        self._polling: asyncio.Task | None = None
         self._discover()
 
     def _discover(self) -> None:
@@ -107,24 +109,40 @@ class ReplicaPool:
                 last = exc
         raise WorkerUnavailable(f"no {self.role} of the pool {', '.join(self._names)} answers: {last}")
 
-    async def _refresh(self) -> None:
+    async def _refresh(self, avoid: frozenset[str] = frozenset()) -> None:
+        """Loads at most ``status_ttl_s`` old. Once some are known, fresh ones are asked for in the
+        background and placement goes on with the last ones: a replica that froze (SIGSTOP, a hung
+        host) costs the next placement nothing, instead of the status call's timeout. Replicas in
+        ``avoid`` (just failed) are not asked."""
         if time.monotonic() - self._resolved_at >= self._resolve_every:
             self._discover()
         if time.monotonic() - self._checked_at < self._ttl:
             return
         self._checked_at = time.monotonic()
+        if self._polling is None or self._polling.done():
+            self._polling = asyncio.ensure_future(self._poll(avoid))
+        if not self._load:  # nothing known yet: wait for the first answers
+            await asyncio.shield(self._polling)
 
+    async def _poll(self, avoid: frozenset[str]) -> None:
         async def load(address: str) -> float:
+            if address in avoid:
+                return float("inf")
             try:
-                return float((await asyncio.wait_for(self.replicas[address].status(), 2.0)).active_sessions)
+                return float((await asyncio.wait_for(self.replicas[address].status(), STATUS_TIMEOUT_S)).active_sessions)
             except (WorkerUnavailable, asyncio.TimeoutError):
                 return float("inf")
 
         addresses = list(self.replicas)
-        self._load = dict(zip(addresses, await asyncio.gather(*(load(a) for a in addresses))))
+        loads = await asyncio.gather(*(load(a) for a in addresses))
+        self._load = dict(zip(addresses, loads))
+        self._polled()
+
+    def _polled(self) -> None:
+        """Called when fresh loads are in."""
 
     async def _pick(self, avoid: set[str]) -> str:
-        await self._refresh()
+        await self._refresh(frozenset(avoid))
         if not self.replicas:
             raise WorkerUnavailable(f"no {self.role} found at {', '.join(self._names)}")
         candidates = [a for a in self.replicas if a not in avoid] or list(self.replicas)
@@ -132,6 +150,8 @@ class ReplicaPool:
         return min(candidates, key=lambda a: (self._load.get(a, 0.0) + self._placed.get(a, 0), a))
 
     async def aclose(self) -> None:
+        if self._polling is not None:
+            self._polling.cancel()
         for replica in (*self.replicas.values(), *self._retired):
             close = getattr(replica, "aclose", None)
             if close is not None:
@@ -187,8 +207,5 @@ class DrafterPool(ReplicaPool):
         self._placed[address] = self._placed.get(address, 0) + 1  # counted until the next status refresh
         return address, self.server_names.get(address) or ""
 
-    async def _refresh(self) -> None:
-        before = self._checked_at
-        await super()._refresh()
-        if self._checked_at != before:
-            self._placed.clear()  # the fresh statuses count those sessions now
+    def _polled(self) -> None:
+        self._placed.clear()  # the fresh statuses count those sessions now

@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate a completion (all roles in this process, or --server)")
     gen.add_argument("prompt")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
-    gen.add_argument("--server", help="use a running orchestrator at HOST:PORT instead of this process")
+    gen.add_argument("--server", help="use a running orchestrator at HOST:PORT instead of this process (several, "
+                                      "comma-separated: a stream whose orchestrator fails resumes on another)")
     gen.add_argument("--api-key-file", help=f"file holding the API key to send with --server (default: ${ENV_API_KEY})")
     gen.add_argument("--tls-ca", help="with --server: connect with TLS, verifying the orchestrator against this PEM CA")
     _add_model_args(gen)
@@ -116,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="target: keep sessions' KV blocks in this Redis, so another verifier can resume a session "
                             "without recomputing its prefix (default: not kept)")
     serve.add_argument("--kv-block-tokens", type=int, default=16, help="target: tokens per stored KV block")
+    serve.add_argument("--kv-redis-max-tokens", type=int, default=4096,
+                       help="target: most positions of one session kept in Redis (its memory cap; the rest is recomputed on resume)")
     serve.add_argument("--max-session-tokens", type=int, default=1 << 16,
                        help="draft: longest sequence one session may hold (the draft model's context caps it too)")
     _add_auth_args(serve)
@@ -258,8 +261,8 @@ async def _generate_embedded(args) -> int:
 async def _generate_remote(args) -> int:
     import grpc
 
-    from specdec.rpc.tls import client_tls, open_channel
-    from specdec.v1 import common_pb2, generation_pb2 as pb, generation_pb2_grpc
+    from specdec.rpc.tls import client_tls
+    from specdec.v1 import common_pb2, generation_pb2 as pb
     from specdec.v1.common_pb2 import SPECULATION_MODE_ADAPTIVE, SPECULATION_MODE_FIXED
 
     rules = {"coupled": common_pb2.VERIFICATION_RULE_COUPLED, "rejection": common_pb2.VERIFICATION_RULE_REJECTION}
@@ -273,30 +276,39 @@ async def _generate_remote(args) -> int:
                                               overlap=not args.no_overlap)
     req = pb.GenerateRequest(text=args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
                              drafter=args.drafter, speculation=policy)
-    from specdec.rpc.auth import call_metadata
-
-    metadata = call_metadata(_secret(args.api_key_file, ENV_API_KEY))
     try:
         credentials = client_tls(args.tls_ca)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    async with open_channel(args.server, credentials) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        try:
-            if args.json:
-                from google.protobuf.json_format import MessageToJson
+    from specdec.client import ResumingClient
 
-                print(MessageToJson(await stub.Generate(req, metadata=metadata), preserving_proto_field_name=True))
-            else:
-                async for msg in stub.GenerateStream(req, metadata=metadata):
+    # Several orchestrators (comma-separated): a stream that breaks goes on on another.
+    addresses = [a.strip() for a in args.server.split(",") if a.strip()]
+    whole = pb.GenerateResponse()
+    async with ResumingClient(addresses, credentials, _secret(args.api_key_file, ENV_API_KEY)) as client:
+        try:
+            async for msg in client.stream(req):
+                whole.session_id, whole.seed = msg.session_id, msg.seed
+                whole.text += msg.text
+                whole.token_ids.extend(msg.token_ids)
+                if msg.finish_reason:
+                    whole.finish_reason = msg.finish_reason
+                    whole.usage.CopyFrom(msg.usage)
+                    whole.stats.CopyFrom(msg.stats)
+                if not args.json:
                     print(msg.text, end="", flush=True)
-                print()
         except grpc.aio.AioRpcError as err:
             hint = ""
             if err.code() == grpc.StatusCode.UNAVAILABLE and not args.tls_ca:
                 hint = " (if the server serves TLS, pass --tls-ca with its CA)"
             print(f"specdec: {err.code().name}: {err.details()}{hint}", file=sys.stderr)
             return 2
+    if args.json:
+        from google.protobuf.json_format import MessageToJson
+
+        print(MessageToJson(whole, preserving_proto_field_name=True))
+    else:
+        print()
     return 0
 
 
@@ -333,7 +345,8 @@ async def _serve(args) -> int:
 
         config = TargetConfig(model_path(args.target, ENV_TARGET, "target"), threads=args.threads, fast_forward=not args.reference_forward,
                               max_sessions=args.max_sessions, max_kv_tokens=args.max_kv_tokens,
-                              kv_redis_url=args.kv_redis_url, kv_block_tokens=args.kv_block_tokens)
+                              kv_redis_url=args.kv_redis_url, kv_block_tokens=args.kv_block_tokens,
+                              kv_redis_max_tokens=args.kv_redis_max_tokens)
         running, _ = await roles.start_target(config, server, service_token=token, registry=registry)
     else:
         from specdec.orchestrator.request import OrchestratorConfig

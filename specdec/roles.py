@@ -78,7 +78,8 @@ async def start_target(config: TargetConfig, server: ServerConfig, loop_config: 
     if config.kv_redis_url and verifier_engine.layout is not None:
         from specdec.core.redis_kv import RedisKVStore
 
-        kv_store = RedisKVStore.from_url(config.kv_redis_url, verifier_engine.layout, prefix=config.kv_prefix)
+        kv_store = RedisKVStore.from_url(config.kv_redis_url, verifier_engine.layout, prefix=config.kv_prefix,
+                                         max_session_tokens=config.kv_redis_max_tokens)
     engine = AsyncVerifierEngine(verifier_engine, metrics=VerifierMetrics(registry) if registry is not None else None,
                                  kv_store=kv_store)
     verifier = LocalVerifier(engine, lambda run: RemoteDraftLink(channels, run.drafter_address, run.drafter_server_name) if run.drafter_address else None,

@@ -77,9 +77,9 @@ async def stores(redis_url, redis_prefix, tiny_pair):
     """A factory of verifier engines over one Redis key space, as replicas of one pool."""
     made = []
 
-    def make() -> AsyncVerifierEngine:
+    def make(**store_kw) -> AsyncVerifierEngine:
         engine = VerifierEngine.from_config(TargetConfig(tiny_pair[0], kv_block_tokens=B))
-        store = RedisKVStore.from_url(redis_url, engine.layout, prefix=redis_prefix)
+        store = RedisKVStore.from_url(redis_url, engine.layout, prefix=redis_prefix, **store_kw)
         made.append(store)
         return AsyncVerifierEngine(engine, threaded=False, kv_store=store)
 
@@ -130,4 +130,29 @@ async def test_a_corrupt_block_is_recomputed_from_there_and_changes_nothing(stor
     await b.open(SessionSpec(sid, committed, SamplingParams(seed=3), "ngram"), max_new_tokens=40)
     assert b.kv_store.rejected == 1
     assert b.engine.last_prefill_tokens == len(committed) - B  # block 0 used, everything from block 1 recomputed
+    assert await _steps(b, sid, 6) == await _steps(a, sid, 6)
+
+
+async def test_redis_memory_per_session_is_capped_and_expires_with_the_record(stores, redis_url):
+    """At most max_session_tokens positions of a session are kept (a resume recomputes the rest), and
+    each block expires within the session TTL of its writing, so none outlives the record."""
+    import redis
+
+    a, b = stores(max_session_tokens=2 * B), stores()
+    sid = secrets.token_hex(16)
+    await a.open(SessionSpec(sid, tuple(range(1, 60)), SamplingParams(seed=3), "ngram"), max_new_tokens=100)
+    await _steps(a, sid, 12)
+    await a.kv_store.flush()
+    committed = tuple(a.engine.sessions.get(sid).committed)
+    assert len(committed) >= 4 * B
+    client = redis.Redis.from_url(redis_url)
+    kept = sorted(int(k.rsplit(b":", 1)[1]) for k in client.scan_iter(match=a.kv_store.key(sid, 0)[:-1] + "*"))
+    assert kept == [0, 1] and a.kv_store.written == 2
+    assert all(0 < client.pttl(a.kv_store.key(sid, i)) <= 3600 * 1000 for i in kept)
+    # What a block costs Redis: its payload and 80-byte header, rounded up to the allocator's size
+    # class (jemalloc: at most a quarter more), plus Redis's own bookkeeping.
+    stored = a.kv_store.layout.payload_bytes + 80
+    assert all(stored <= client.memory_usage(a.kv_store.key(sid, i)) <= 1.25 * stored + 1024 for i in kept)
+    await b.open(SessionSpec(sid, committed, SamplingParams(seed=3), "ngram"), max_new_tokens=40)
+    assert b.engine.last_prefill_tokens == len(committed) - 2 * B  # the two kept blocks, the rest recomputed
     assert await _steps(b, sid, 6) == await _steps(a, sid, 6)

@@ -54,6 +54,8 @@ class TargetConfig:
     kv_redis_url: str | None = None
     kv_block_tokens: int = 16  # measured on the demo pair: a 448-token resume in 39 ms at 16, 72 at 64, 113 at 256 (148 recomputed)
     kv_prefix: str = "specdec"  # the key prefix, as the session store's
+    # Redis memory per session is capped: positions past this are not kept (a resume recomputes them).
+    kv_redis_max_tokens: int = 4096
     # Sessions whose steps came back together re-submit a moment apart (each passes through the event
     # loop): wait this long at most for every open session to be ready, so a batch is not split in
     # two halves that alternate. One session alone never waits (it is all the open sessions).

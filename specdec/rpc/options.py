@@ -13,6 +13,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # What actually drops the transport when a ping goes unanswered in grpc 1.8x core (measured:
+    # with keepalive_timeout_ms alone a SIGSTOPped server held a stream open for good).
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),  # pings while a stream is quiet (a long prefill) are fine
 ]
@@ -25,4 +28,9 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # And a server pings its callers too, less often: a stream whose caller froze (an orchestrator
+    # under SIGSTOP) is ended, freeing the session it held, instead of waiting on it for good.
+    ("grpc.keepalive_time_ms", 5 * KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", 5 * KEEPALIVE_MS),
+    ("grpc.http2.ping_timeout_ms", 5 * KEEPALIVE_MS),
 ]
