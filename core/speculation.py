@@ -14,6 +14,7 @@ recorded with the session (a seeded request under the rejection rule replays tha
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -45,6 +46,14 @@ class SpeculationPolicy:
             )
         if not self.draft_cost_ratio >= 0:
             raise InvalidRequest(f"draft_cost_ratio must be >= 0, got {self.draft_cost_ratio}")
+
+    def resumed_at(self, last_k: int | None) -> "SpeculationPolicy":
+        """The policy a session resumed elsewhere goes on with: an adaptive one from the speculation
+        length it had reached (``last_k``, its last step's), not from the request's starting point,
+        since the controller it had learnt went with its verifier. Fixed k, or no step yet: unchanged."""
+        if self.mode is not SpeculationMode.ADAPTIVE or last_k is None:
+            return self
+        return dataclasses.replace(self, num_speculative_tokens=min(max(0, last_k), self.max_speculative_tokens))
 
 
 def expected_tokens(alpha: float, k: int) -> float:

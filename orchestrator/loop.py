@@ -247,7 +247,7 @@ class Orchestrator:
             spec = SessionSpec(session_id, tuple(record.prompt_ids) + output, request.sampling,
                                request.drafter or self.config.default_drafter)
             drafter_address, drafter_name = await self._place_drafter()
-            run = SessionRun(spec, drafter_address, request.max_new_tokens - len(output), request.policy,
+            run = SessionRun(spec, drafter_address, request.max_new_tokens - len(output), request.policy.resumed_at(record.step_ks[-1] if record.step_ks else None),
                              () if self.target.eos_token_id is None else (self.target.eos_token_id,), drafter_name)
             rest = self._loop(request, run, holder, detok=detok, generated=len(output), counters=record.counters,
                               prompt_tokens=len(record.prompt_ids))

@@ -8,9 +8,9 @@ prompt plus every committed token becomes the new replica's prompt, with the tok
 generate as its budget. Every position keeps its place in the sequence, so greedy output, and
 sampled output under the coupled rule (noise keyed by seed and position), continue exactly as
 an uninterrupted run; the client sees only a pause. So does the rejection rule at a fixed k (every
-draw is keyed by seed and position); at an adaptive k the resumed session's controller starts
-afresh and may speculate on another schedule: its tokens keep the target's distribution, not
-necessarily the very same tokens.
+draw is keyed by seed and position); at an adaptive k the resumed session's controller is a new
+one (started at the session's last k) and may speculate on another schedule: its tokens keep the
+target's distribution, not necessarily the very same tokens.
 """
 from __future__ import annotations
 
@@ -165,6 +165,7 @@ class VerifierPool(ReplicaPool):
 
     async def run(self, run: SessionRun) -> AsyncIterator[StepCommit]:
         committed: list[int] = []  # what the session has committed so far, over every replica
+        last_k: int | None = None
         failed: set[str] = set()
         current = run
         while True:
@@ -174,6 +175,7 @@ class VerifierPool(ReplicaPool):
             try:
                 async for step in steps:
                     committed.extend(step.token_ids)
+                    last_k = step.num_draft_tokens
                     yield step
                 return
             except WorkerUnavailable as exc:
@@ -188,7 +190,7 @@ class VerifierPool(ReplicaPool):
                 log.warning("session %s: verifier %s failed (%s); resuming on another replica after %d tokens",
                             short_id(run.spec.session_id), address, exc, len(committed))
                 spec = replace(run.spec, prompt_ids=tuple(run.spec.prompt_ids) + tuple(committed))
-                current = replace(run, spec=spec, max_new_tokens=remaining)
+                current = replace(run, spec=spec, max_new_tokens=remaining, policy=run.policy.resumed_at(last_k))
             finally:
                 self._placed[address] -= 1
                 await steps.aclose()

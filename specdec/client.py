@@ -5,9 +5,9 @@ order; a failover is only a pause.
 
 The stream counts as broken on UNAVAILABLE (the orchestrator died, or stopped answering the
 channel's keepalive pings: a frozen process is noticed within seconds), CANCELLED from the server
-side (a drain that outlasted its grace), INTERNAL or UNKNOWN (a transport reset). Anything that
-says the request itself is wrong (INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, ...) is raised
-at once; so is the caller's own deadline.
+side (a drain that outlasted its grace), and, once the session exists, INTERNAL or UNKNOWN (a
+transport reset). Anything that says the request itself is wrong (INVALID_ARGUMENT, NOT_FOUND,
+PERMISSION_DENIED, ...) is raised at once; so is the caller's own deadline.
 """
 from __future__ import annotations
 
@@ -25,10 +25,12 @@ from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-BROKEN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
-                    grpc.StatusCode.UNKNOWN})
-# A resume refused because a stream being fenced off still committed: read again (see SessionStore.claim).
-RETRY_RESUME = BROKEN | {grpc.StatusCode.FAILED_PRECONDITION}
+# Before the first message no session exists yet: only an orchestrator that is gone or going is
+# tried again (a new Generate each time; an INTERNAL there is a server's bug, not worth repeating).
+RETRY_START = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+# Once there is a session, resuming is idempotent: any break is resumed, as is a resume refused
+# because a stream being fenced off still committed (read again; see SessionStore.claim).
+RETRY_RESUME = RETRY_START | {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.FAILED_PRECONDITION}
 
 
 @dataclass
@@ -102,7 +104,7 @@ class ResumingClient:
                 return
             except grpc.aio.AioRpcError as err:
                 code = err.code()
-                retryable = RETRY_RESUME if report.session_id else BROKEN
+                retryable = RETRY_RESUME if report.session_id else RETRY_START
                 own_deadline = deadline is not None and time.monotonic() >= deadline
                 if code not in retryable or own_deadline:
                     raise

@@ -204,3 +204,40 @@ async def test_sessions_draft_on_the_least_loaded_drafter_of_a_pool(cluster, tin
             await server.stop(0)
             engine.shutdown()
         await pool.aclose()
+
+
+async def test_a_failover_goes_on_from_the_prompt_the_tokens_and_the_k_reached():
+    """The pool's own bookkeeping, with two stand-in replicas: the first commits two steps at k = 3
+    and dies; the second is asked for exactly the rest, from the prompt plus those tokens, and an
+    adaptive session starts there at k = 3 (the request started at 1)."""
+    from specdec.core.sampling import SamplingParams
+    from specdec.core.steps import SessionRun, SessionSpec, StepCommit, WorkerInfo
+
+    asked = []
+
+    class Replica:
+        def __init__(self, dies: bool) -> None:
+            self.dies = dies
+
+        async def status(self):
+            return WorkerInfo(0, "m", 10, 100, ())
+
+        async def run(self, run):
+            asked.append(run)
+            base = len(run.spec.prompt_ids)
+            if self.dies:
+                yield StepCommit((7, 8), 3, 1, base + 2)
+                yield StepCommit((9,), 3, 0, base + 3)
+                raise WorkerUnavailable("gone")
+            yield StepCommit(tuple(range(run.max_new_tokens)), 2, 2, base + run.max_new_tokens, finished=True)
+
+    replicas = {"a:1": Replica(True), "b:1": Replica(False)}
+    pool = VerifierPool(list(replicas), lambda address, _: replicas[address], status_ttl_s=0.0, resolve=lambda a: [(a, None)])
+    policy = SpeculationPolicy(SpeculationMode.ADAPTIVE, num_speculative_tokens=1, max_speculative_tokens=6)
+    run = SessionRun(SessionSpec("ab" * 16, (1, 2), SamplingParams(), "model"), "", 10, policy)
+    steps = [s async for s in pool.run(run)]  # equal loads: "a:1" first, then the one not failed
+    assert [t for s in steps for t in s.token_ids] == [7, 8, 9, *range(7)]
+    resumed = asked[1]
+    assert resumed.spec.prompt_ids == (1, 2, 7, 8, 9) and resumed.max_new_tokens == 7
+    assert resumed.policy.num_speculative_tokens == 3 and resumed.policy.max_speculative_tokens == 6
+    assert pool.failovers == 1

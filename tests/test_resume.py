@@ -185,3 +185,35 @@ async def test_a_session_whose_orchestrator_vanished_does_not_stay_running(clust
     finally:
         await reaper.aclose()
     assert (await cluster.store.get(fresh.session_id)).finish_reason == "orchestrator lost"
+
+
+async def test_an_adaptive_session_resumes_at_the_speculation_length_it_had_reached(cluster):
+    """Its verifier's controller is gone; the new one starts from the session's last recorded k,
+    not from the request's starting point (fixed k is left as it was)."""
+    from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+
+    live = cluster.orchestrator
+    runs = []
+
+    class Recording:  # the cluster's verifier, noting what each session is run with
+        async def status(self):
+            return await live.verifier.status()
+
+        def run(self, run):
+            runs.append(run)
+            return live.verifier.run(run)
+
+    orch = Orchestrator(live.target, Recording(), cluster.store, OrchestratorConfig(), live.drafter_address)
+    policy = SpeculationPolicy(SpeculationMode.ADAPTIVE, num_speculative_tokens=1, max_speculative_tokens=6)
+    chunks = orch.generate(GenerationRequest(prompt_text=PROMPT, max_new_tokens=80, drafter="model", policy=policy))
+    got = [await anext(chunks) for _ in range(6)]
+    await chunks.aclose()
+    record = await cluster.store.get(got[0].session_id)
+    assert record.step_ks and len(record.step_ks) == len(got)  # one k per step, as streamed
+    # As if its controller had got to 5 by the time its orchestrator died (the request started at 1).
+    await cluster.store.commit(record.session_id, [], record.counters, (5,))
+    rest = orch.resume(record.session_id, "", len(record.output_ids))
+    await anext(rest)
+    await rest.aclose()
+    assert runs[-1].policy.num_speculative_tokens == 5
+    assert runs[-1].policy.max_speculative_tokens == 6 and runs[-1].policy.mode is SpeculationMode.ADAPTIVE

@@ -136,3 +136,13 @@ def test_measured_cost_model_follows_its_inputs():
     costs = c.costs
     assert costs.seconds(0) == pytest.approx(0.006 + 0.0005, rel=0.05)
     assert costs.seconds(4) == pytest.approx(0.006 * 1.16 + 0.0005 + 4 * 0.001 + 0.0005, rel=0.05)
+
+
+def test_a_resumed_policy_goes_on_from_the_k_reached():
+    adaptive = SpeculationPolicy(SpeculationMode.ADAPTIVE, num_speculative_tokens=1, max_speculative_tokens=6)
+    assert adaptive.resumed_at(4).num_speculative_tokens == 4
+    assert adaptive.resumed_at(9).num_speculative_tokens == 6  # never past its bound
+    assert adaptive.resumed_at(0).num_speculative_tokens == 0
+    assert adaptive.resumed_at(None) == adaptive  # no step yet
+    fixed = SpeculationPolicy(SpeculationMode.FIXED, num_speculative_tokens=3)
+    assert fixed.resumed_at(5) == fixed
