@@ -115,6 +115,13 @@ class SessionRun:
     policy: SpeculationPolicy
     stop_token_ids: tuple[int, ...] = ()
     drafter_server_name: str = ""  # with TLS: the name on the drafter's certificate, when dialled by IP
+    # Other drafters of the pool, (address, server name), tried in turn when the session's own fails.
+    fallback_drafters: tuple[tuple[str, str], ...] = ()
+
+    def drafters(self) -> tuple[tuple[str, str], ...]:
+        """Every drafter the session may stream from, its own first."""
+        own = ((self.drafter_address, self.drafter_server_name),) if self.drafter_address else ()
+        return own + tuple(d for d in self.fallback_drafters if d[0] != self.drafter_address)
 
 
 @dataclass(frozen=True)

@@ -84,15 +84,17 @@ class Orchestrator:
             metrics.requests_running.set_function(lambda: self.admission.running)
             metrics.requests_waiting.set_function(lambda: self.admission.waiting)
 
-    async def _place_drafter(self) -> tuple[str, str]:
-        """(address, certificate name) of the drafter a new session streams from."""
+    async def _place_drafter(self) -> tuple[str, str, tuple[tuple[str, str], ...]]:
+        """(address, certificate name) of the drafter a new session streams from, and the others it
+        may move to."""
         if self.drafters is None:
-            return self.drafter_address, ""
+            return self.drafter_address, "", ()
         try:
-            return await self.drafters.place()
+            address, name = await self.drafters.place()
         except WorkerUnavailable as exc:  # no drafter answers: the session decodes alone (speed, not output)
             log.warning("no drafter to place a session on (%s): decoding without speculation", exc)
-            return "", ""
+            return "", "", ()
+        return address, name, self.drafters.fallbacks(address)
 
     @property
     def running(self) -> int:
@@ -162,9 +164,9 @@ class Orchestrator:
         session_id = new_session_id()
         record = SessionRecord.new(prompt_ids, params_json(request, drafter_name), sampling.seed, session_id)
         spec = SessionSpec(session_id, prompt_ids, sampling, drafter_name)
-        drafter_address, drafter_name = await self._place_drafter()
+        drafter_address, drafter_name, fallbacks = await self._place_drafter()
         run = SessionRun(spec, drafter_address, request.max_new_tokens, request.policy,
-                         () if self.target.eos_token_id is None else (self.target.eos_token_id,), drafter_name)
+                         () if self.target.eos_token_id is None else (self.target.eos_token_id,), drafter_name, fallbacks)
         holder = new_holder()  # this stream's fencing token: a resume elsewhere fences it off
         await self.store.create(record, holder)
         async with contextlib.aclosing(self._tracked(session_id, holder, self._loop(request, run, holder))) as chunks:
@@ -246,9 +248,10 @@ class Orchestrator:
             await self.store.claim(session_id, len(output), holder)
             spec = SessionSpec(session_id, tuple(record.prompt_ids) + output, request.sampling,
                                request.drafter or self.config.default_drafter)
-            drafter_address, drafter_name = await self._place_drafter()
-            run = SessionRun(spec, drafter_address, request.max_new_tokens - len(output), request.policy.resumed_at(record.step_ks[-1] if record.step_ks else None),
-                             () if self.target.eos_token_id is None else (self.target.eos_token_id,), drafter_name)
+            drafter_address, drafter_name, fallbacks = await self._place_drafter()
+            run = SessionRun(spec, drafter_address, request.max_new_tokens - len(output),
+                             request.policy.resumed_at(record.step_ks[-1] if record.step_ks else None),
+                             () if self.target.eos_token_id is None else (self.target.eos_token_id,), drafter_name, fallbacks)
             rest = self._loop(request, run, holder, detok=detok, generated=len(output), counters=record.counters,
                               prompt_tokens=len(record.prompt_ids))
             async with contextlib.aclosing(self._tracked(session_id, holder, rest)) as chunks:

@@ -197,9 +197,9 @@ class VerifierPool(ReplicaPool):
 
 
 class DrafterPool(ReplicaPool):
-    """Where each new session drafts: the draft replica with the fewest open sessions. (A session
-    stays with its drafter; one that dies costs that session speed, not output: its verifier
-    decodes alone.)"""
+    """Where each new session drafts: the draft replica with the fewest open sessions. A session
+    stays with its drafter; if that one dies its verifier decodes alone (speed, not output) and
+    opens its next draft stream on one of the others (`fallbacks`)."""
 
     role = "drafter"
 
@@ -208,6 +208,13 @@ class DrafterPool(ReplicaPool):
         address = await self._pick(set())
         self._placed[address] = self._placed.get(address, 0) + 1  # counted until the next status refresh
         return address, self.server_names.get(address) or ""
+
+    def fallbacks(self, address: str, limit: int = 8) -> tuple[tuple[str, str], ...]:
+        """The other replicas that answered last time, least loaded first: where a session placed on
+        ``address`` drafts if that one fails."""
+        others = sorted((a for a in self.replicas if a != address and self._load.get(a, 0.0) != float("inf")),
+                        key=lambda a: (self._load.get(a, 0.0) + self._placed.get(a, 0), a))
+        return tuple((a, self.server_names.get(a) or "") for a in others[:limit])
 
     def _polled(self) -> None:
         self._placed.clear()  # the fresh statuses count those sessions now

@@ -272,6 +272,10 @@ BAD_SESSIONS: list[tuple[str, Callable[[verifier_pb2.SessionRequest], None], str
     ("nan-temperature", _set("session.sampling.temperature", float("nan")), "temperature"),
     ("top-p-above-1", _set("session.sampling.top_p", 2.0), "top_p"),
     ("k-above-max", _set("speculation.num_speculative_tokens", 65), "num_speculative_tokens"),
+    ("too-many-fallback-drafters", lambda m: m.fallback_drafters.extend(
+        [verifier_pb2.DrafterEndpoint(address=f"127.0.0.1:{p}") for p in range(1, 10)]), "at most 8"),
+    ("fallback-drafter-name-too-long", lambda m: m.fallback_drafters.append(
+        verifier_pb2.DrafterEndpoint(address="127.0.0.1:1", server_name="x" * 254)), "server_name"),
 ]
 
 

@@ -135,3 +135,44 @@ async def test_unreachable_verifier_is_unavailable_and_leaks_nothing(cluster):
 async def _drain(call) -> None:
     async for _ in call:
         pass
+
+
+async def test_a_session_whose_drafter_dies_drafts_on_another_of_its_pool(cluster, tiny_pair):
+    """Two drafters in a pool; the session's own is killed mid-request: its verifier decodes alone
+    for a moment, then opens its next draft stream on the other one and speculates again, with
+    output still exactly target-only greedy."""
+    from specdec.orchestrator.pool import DrafterPool
+    from specdec.orchestrator.remote import RemoteWorker
+
+    target_path, draft_path = tiny_pair
+    started = [await roles.start_draft(DraftConfig(draft_path, target_path), cluster.worker_server()) for _ in range(2)]
+    pool = DrafterPool([server.address for server, _ in started],
+                       lambda a, n: RemoteWorker(a, "draft", 5, tls=cluster.tls, server_name=n), status_ttl_s=0.0)
+    live = cluster.orchestrator
+    orch = Orchestrator(live.target, live.verifier, cluster.store, live.config, drafters=pool)
+    ids: list[int] = []
+    after: list[Chunk] = []
+    killed = survivor = None
+    try:
+        async for chunk in orch.generate(greedy(200)):
+            ids.extend(chunk.token_ids)
+            if killed is not None:
+                after.append(chunk)
+                survivor_sessions = max(survivor_sessions, survivor.status().active_sessions)
+            elif chunk.counters.draft_tokens > 0 and len(ids) >= 8:
+                own = [i for i, (_, engine) in enumerate(started) if engine.status().active_sessions]
+                assert len(own) == 1
+                killed, survivor = started[own[0]][0], started[1 - own[0]][1]
+                survivor_sessions = 0
+                await killed.stop(0)
+        assert killed is not None, "the session never drafted"
+        assert tuple(ids) == reference_greedy(target_path, PROMPT, 200)
+        assert survivor_sessions == 1, "the session never opened a draft stream on the other drafter"
+        assert any(c.last_num_speculative_tokens > 0 for c in after[len(after) // 2:])  # speculating again
+        assert await eventually(cluster.active_sessions, (0, 0)) == (0, 0)
+        assert await eventually(lambda: survivor.status().active_sessions, 0) == 0
+    finally:
+        for server, engine in started:
+            await server.stop(0)
+            engine.shutdown()
+        await pool.aclose()

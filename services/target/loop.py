@@ -6,12 +6,14 @@ streams blocks in, this loop streams StepCommits out, and the orchestrator store
 them off the draft-verify path. The outcome of a step goes to the drafter before anything else, so
 the drafter's next block (or its pre-drafted one) is being made while this side reports. Fail soft:
 if the drafter is unreachable, refuses, or sends a bad block, the session goes on as plain decoding
-and a new link is tried every ``reconnect_s``; a slow drafter costs at most ``draft_wait_s`` per
+and a new link is tried every ``reconnect_s``, to the next drafter of the session's pool
+(``SessionRun.fallback_drafters``) when it has one; a slow drafter costs at most ``draft_wait_s`` per
 step, then its steps stop waiting for a while (doubling each time it is late again).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -59,6 +61,7 @@ class VerifierLoop:
         self.link: DraftLink | None = None
         self._reconnect: asyncio.Task | None = None
         self._last_attempt = 0.0
+        self._drafter_turn = 0  # which of run.drafters() the current link is to
 
     async def steps(self) -> AsyncIterator[StepCommit]:
         """Open the session on both sides, then one StepCommit per step. Frees everything however it ends."""
@@ -204,12 +207,14 @@ class VerifierLoop:
         """While the drafter is down, try a new link now and then, off the critical path."""
         if self.state.k == 0 and self.link is not None:
             return  # speculation is off by choice, not by failure
-        if self._reconnect is not None or time.monotonic() - self._last_attempt < self.config.reconnect_s:
+        # A link just found down, with another drafter to go to: go now. Otherwise once per reconnect_s.
+        just_failed = self.link is not None and not self.link.up and len(self.run.drafters()) > 1
+        if self._reconnect is not None or (not just_failed and time.monotonic() - self._last_attempt < self.config.reconnect_s):
             return
         if self.link is not None and not self.link.up:
             asyncio.ensure_future(self.link.close())
             self.link = None
-        link = self.link_factory(self.run)
+        link = self.link_factory(self._next_drafter())
         if link is None:
             self._last_attempt = time.monotonic()
             return
@@ -217,6 +222,16 @@ class VerifierLoop:
         spec = SessionSpec(self.run.spec.session_id, tuple(self.state.committed), self.run.spec.sampling, self.run.spec.drafter)
         self._reconnect = asyncio.ensure_future(self._open_link(link, spec))
         self._reconnect.add_done_callback(lambda task: self._reconnected(task, len(spec.prompt_ids)))
+
+    def _next_drafter(self) -> SessionRun:
+        """The session as the next reconnect should open it: on the next drafter of its pool after
+        the one that failed (the session's own one again once every other was tried)."""
+        drafters = self.run.drafters()
+        if len(drafters) <= 1:
+            return self.run
+        self._drafter_turn = (self._drafter_turn + 1) % len(drafters)
+        address, server_name = drafters[self._drafter_turn]
+        return dataclasses.replace(self.run, drafter_address=address, drafter_server_name=server_name)
 
     def _reconnected(self, task: asyncio.Task, known: int) -> None:
         self._reconnect = None

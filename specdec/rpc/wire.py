@@ -107,10 +107,25 @@ def outcome_from_pb(pb: drafter_pb2.StepOutcome) -> StepOutcome:
     return StepOutcome(pb.committed_len, tuple(pb.token_ids), pb.num_speculative_tokens, pb.overlap)
 
 
+MAX_FALLBACK_DRAFTERS = 8
+
+
 def run_to_pb(r: SessionRun) -> verifier_pb2.SessionRequest:
     return verifier_pb2.SessionRequest(session=spec_to_pb(r.spec), drafter_address=r.drafter_address, max_new_tokens=r.max_new_tokens,
                                        speculation=policy_to_pb(r.policy), stop_token_ids=r.stop_token_ids,
-                                       drafter_server_name=r.drafter_server_name)
+                                       drafter_server_name=r.drafter_server_name,
+                                       fallback_drafters=[verifier_pb2.DrafterEndpoint(address=a, server_name=n)
+                                                          for a, n in r.fallback_drafters])
+
+
+def _fallbacks_from_pb(endpoints) -> tuple[tuple[str, str], ...]:
+    if len(endpoints) > MAX_FALLBACK_DRAFTERS:
+        raise InvalidRequest(f"SessionRequest.fallback_drafters names {len(endpoints)} drafters; send at most "
+                             f"{MAX_FALLBACK_DRAFTERS}")
+    if any(len(e.address) > 261 or len(e.server_name) > 253 for e in endpoints):
+        raise InvalidRequest("a fallback drafter's address is over 261 characters or its server_name over 253: "
+                             "send host:port and a DNS name")
+    return tuple((e.address, e.server_name) for e in endpoints if e.address)
 
 
 def run_from_pb(pb: verifier_pb2.SessionRequest) -> SessionRun:
@@ -120,7 +135,8 @@ def run_from_pb(pb: verifier_pb2.SessionRequest) -> SessionRun:
         raise InvalidRequest("SessionRequest.speculation is missing: send the speculation policy")
     return SessionRun(spec_from_pb(pb.session), pb.drafter_address, pb.max_new_tokens,
                       policy_from_pb(pb.speculation, SpeculationPolicy()), tuple(pb.stop_token_ids),
-                      pb.drafter_server_name[:253])  # a DNS name is at most 253 characters
+                      pb.drafter_server_name[:253],  # a DNS name is at most 253 characters
+                      _fallbacks_from_pb(pb.fallback_drafters))
 
 
 def commit_to_pb(c: StepCommit) -> verifier_pb2.StepCommit:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xdb\x01\n\x0eSessionRequest\x12/\n\x07session\x18\x01 \x01(\x0b\x32\x1e.specdec.v1.OpenSessionRequest\x12\x17\n\x0f\x64rafter_address\x18\x02 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x32\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1d.specdec.v1.SpeculationPolicy\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x1b\n\x13\x64rafter_server_name\x18\x06 \x01(\t\"\xbb\x01\n\nStepCommit\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x15\n\rcommitted_len\x18\x04 \x01(\r\x12\x16\n\x0everify_time_ns\x18\x05 \x01(\x04\x12\x15\n\rdraft_wait_ns\x18\x06 \x01(\x04\x12\x12\n\npredrafted\x18\x07 \x01(\x08\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x32\x9a\x01\n\x08Verifier\x12@\n\x08Generate\x12\x1a.specdec.v1.SessionRequest\x1a\x16.specdec.v1.StepCommit0\x01\x12L\n\x0fGetWorkerStatus\x12\x1f.specdec.v1.WorkerStatusRequest\x1a\x18.specdec.v1.WorkerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x93\x02\n\x0eSessionRequest\x12/\n\x07session\x18\x01 \x01(\x0b\x32\x1e.specdec.v1.OpenSessionRequest\x12\x17\n\x0f\x64rafter_address\x18\x02 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x32\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1d.specdec.v1.SpeculationPolicy\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x1b\n\x13\x64rafter_server_name\x18\x06 \x01(\t\x12\x36\n\x11\x66\x61llback_drafters\x18\x07 \x03(\x0b\x32\x1b.specdec.v1.DrafterEndpoint\"7\n\x0f\x44rafterEndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0bserver_name\x18\x02 \x01(\t\"\xbb\x01\n\nStepCommit\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x15\n\rcommitted_len\x18\x04 \x01(\r\x12\x16\n\x0everify_time_ns\x18\x05 \x01(\x04\x12\x15\n\rdraft_wait_ns\x18\x06 \x01(\x04\x12\x12\n\npredrafted\x18\x07 \x01(\x08\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x32\x9a\x01\n\x08Verifier\x12@\n\x08Generate\x12\x1a.specdec.v1.SessionRequest\x1a\x16.specdec.v1.StepCommit0\x01\x12L\n\x0fGetWorkerStatus\x12\x1f.specdec.v1.WorkerStatusRequest\x1a\x18.specdec.v1.WorkerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.verifier_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SESSIONREQUEST']._serialized_start=67
-  _globals['_SESSIONREQUEST']._serialized_end=286
-  _globals['_STEPCOMMIT']._serialized_start=289
-  _globals['_STEPCOMMIT']._serialized_end=476
-  _globals['_VERIFIER']._serialized_start=479
-  _globals['_VERIFIER']._serialized_end=633
+  _globals['_SESSIONREQUEST']._serialized_end=342
+  _globals['_DRAFTERENDPOINT']._serialized_start=344
+  _globals['_DRAFTERENDPOINT']._serialized_end=399
+  _globals['_STEPCOMMIT']._serialized_start=402
+  _globals['_STEPCOMMIT']._serialized_end=589
+  _globals['_VERIFIER']._serialized_start=592
+  _globals['_VERIFIER']._serialized_end=746
 # @@protoc_insertion_point(module_scope)
