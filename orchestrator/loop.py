@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specdec.core.errors import InvalidRequest, SessionMoved, SessionNotFound, SessionTakenOver, SpecdecError, WorkerUnavailable
+from specdec.core.errors import DeadlineExceeded, InvalidRequest, SessionMoved, SessionNotFound, SessionTakenOver, SpecdecError, WorkerUnavailable
 from specdec.core.sessions import (SessionRecord, SessionStatus, SessionStore, SpecCounters, new_holder, new_session_id,
                                    short_id)
 from specdec.core.steps import SessionRun, SessionSpec, VerifyWorker, validate_prompt
@@ -184,6 +184,9 @@ class Orchestrator:
                     await self.store.finish(session_id, status, reason, holder)
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):
+            status = SessionStatus.CANCELLED
+            raise
+        except DeadlineExceeded:  # the client's deadline, carried to the worker: the client gave up
             status = SessionStatus.CANCELLED
             raise
         except SessionTakenOver:
