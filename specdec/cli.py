@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-url", default=os.environ.get(ENV_REDIS, "redis://127.0.0.1:6379/0"))
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--base-port", type=int, default=PORTS["orchestrator"], help="orchestrator port; draft +1, target +2")
+    up.add_argument("--replicas", type=int, default=1,
+                    help="processes per role (ports base + 3i, +1, +2); with 2 or more, a process that dies is "
+                         "restarted and its sessions go on elsewhere (try: kill one, `generate --server A,B`)")
     up.add_argument("--api-keys-file", default=os.environ.get(ENV_API_KEYS_FILE),
                     help=f"client API keys, one per line (default ${ENV_API_KEYS_FILE}; none: the client API is open)")
     up.add_argument("--tls", action="store_true",
@@ -365,17 +368,39 @@ async def _serve(args) -> int:
     return 0
 
 
+def up_ports(base: int, replicas: int) -> dict[str, list[int]]:
+    """Ports of every process `specdec up` starts: replica i of a role at base + 3i (+1 draft, +2 target)."""
+    return {role: [base + 3 * i + offset for i in range(replicas)]
+            for role, offset in (("orchestrator", 0), ("draft", 1), ("target", 2))}
+
+
+def up_commands(common: list[str], host: str, ports: dict[str, list[int]], redis_url: str) -> dict[str, list[str]]:
+    """name -> argv of every process: each orchestrator over a pool of all verifiers and drafters."""
+    drafters = ",".join(f"{host}:{p}" for p in ports["draft"])
+    verifiers = ",".join(f"{host}:{p}" for p in ports["target"])
+    commands = {}
+    for role in ("target", "draft", "orchestrator"):
+        for i, port in enumerate(ports[role]):
+            name = role if len(ports[role]) == 1 else f"{role}-{i}"
+            commands[name] = common + [role, "--port", str(port), "--drafter-address", drafters, "--verifier-address", verifiers,
+                                       *(["--redis-url", redis_url] if role == "orchestrator" else [])]
+    return commands
+
+
 def _up(args) -> int:
-    """Three processes, one per role, against Redis; stops them all on Ctrl-C or when one dies."""
+    """One process per role (or ``--replicas`` of each) against Redis. With one of each, stops them all
+    on Ctrl-C or when one dies; with more, restarts one that dies, as a Deployment would."""
+    if args.replicas < 1:
+        raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
     target = model_path(args.target, ENV_TARGET, "target")
     draft = model_path(args.draft, ENV_DRAFT, "draft")
-    ports = {"orchestrator": args.base_port, "draft": args.base_port + 1, "target": args.base_port + 2}
+    ports = up_ports(args.base_port, args.replicas)
     common = [sys.executable, "-m", "specdec", "serve", "--host", args.host, "--target", target, "--draft", draft]
-    # Three processes share this machine's cores: one torch thread per model process unless told
+    # The processes share this machine's cores: one torch thread per model process unless told
     # otherwise, and OpenMP threads that sleep when idle instead of spinning on a core another
     # process needs (FINDINGS.md: spinning made a neighbour 20-100x slower).
     common += ["--threads", str(args.threads or 1)]
-    # A fresh service token per run, through the environment: only these three processes hold it.
+    # A fresh service token per run, through the environment: only these processes hold it.
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
            ENV_SERVICE_TOKEN: os.environ.get(ENV_SERVICE_TOKEN) or secrets.token_urlsafe(32)}
     if args.api_keys_file:
@@ -394,15 +419,11 @@ def _up(args) -> int:
         paths = make_dev_certs(tls_dir, [args.host], days=1)
         ca_file = str(paths["ca.crt"])
         common += ["--tls-cert", str(paths["tls.crt"]), "--tls-key", str(paths["tls.key"]), "--tls-ca", ca_file]
-    procs = {
-        role: subprocess.Popen(common + [role, "--port", str(ports[role]),
-                                         "--drafter-address", f"{args.host}:{ports['draft']}",
-                                         "--verifier-address", f"{args.host}:{ports['target']}",
-                                         *(["--redis-url", args.redis_url] if role == "orchestrator" else [])], env=env)
-        for role in ("target", "draft", "orchestrator")
-    }
-    print(f"specdec up: starting orchestrator {args.host}:{ports['orchestrator']}, draft :{ports['draft']}, "
-          f"target :{ports['target']}; sessions in {args.redis_url}", flush=True)
+    commands = up_commands(common, args.host, ports, args.redis_url)
+    procs = {name: subprocess.Popen(argv, env=env) for name, argv in commands.items()}
+    orchestrators = ",".join(f"{args.host}:{p}" for p in ports["orchestrator"])
+    print(f"specdec up: starting orchestrator {orchestrators}, draft {','.join(map(str, ports['draft']))}, "
+          f"target {','.join(map(str, ports['target']))}; sessions in {args.redis_url}", flush=True)
     stopping = False
     ready = False
 
@@ -414,14 +435,17 @@ def _up(args) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         while not stopping:
-            dead = [r for r, p in procs.items() if p.poll() is not None]
-            if dead:
+            dead = [name for name, p in procs.items() if p.poll() is not None]
+            if dead and args.replicas == 1:
                 print(f"specdec up: {', '.join(dead)} exited; stopping the others", file=sys.stderr)
                 break
-            if not ready and _healthy(f"{args.host}:{ports['orchestrator']}", ca_file):
+            for name in dead:  # replicas: the others serve its sessions meanwhile
+                print(f"specdec up: {name} exited ({procs[name].returncode}); restarting it", file=sys.stderr, flush=True)
+                procs[name] = subprocess.Popen(commands[name], env=env)
+            if not ready and _healthy(f"{args.host}:{ports['orchestrator'][0]}", ca_file):
                 ready = True
                 tls_hint = f" --tls-ca {ca_file}" if ca_file else ""
-                print(f"specdec up: ready. Try: specdec generate --server {args.host}:{ports['orchestrator']}{tls_hint} "
+                print(f"specdec up: ready. Try: specdec generate --server {orchestrators}{tls_hint} "
                       f"\"def fib(n):\"", flush=True)
             time.sleep(0.2)
     finally:

@@ -136,6 +136,64 @@ def test_up_runs_three_processes_against_redis(tiny_pair, redis_url):
     assert proc.returncode == 0, out
 
 
+def wait_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 90) -> None:
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(service="specdec.v1.Generation"), timeout=1).status == 1:
+                    return
+            except grpc.RpcError:
+                pass
+            assert time.time() < deadline and proc.poll() is None, f"{address} did not become healthy"
+            time.sleep(0.3)
+
+
+def test_up_with_replicas_restarts_a_process_that_dies_and_serves_meanwhile(tiny_pair, redis_url):
+    """`specdec up --replicas 2`: six processes; kill -9 one verifier and one orchestrator, and a
+    client given both orchestrators still gets the whole greedy completion; `up` restarts the two."""
+    import signal
+
+    from specdec.cli import up_ports
+
+    target, draft = tiny_pair
+    base = free_port_block(6)
+    ports = up_ports(base, 2)
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--target", target, "--draft", draft, "--replicas", "2",
+                             "--base-port", str(base), "--redis-url", redis_url], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for port in ports["orchestrator"]:
+            wait_healthy(f"127.0.0.1:{port}", proc)
+        servers = ",".join(f"127.0.0.1:{p}" for p in ports["orchestrator"])
+        before = specdec("generate", "def f():", "--server", servers, "--max-new-tokens", "40", "--json")
+        assert before.returncode == 0, before.stderr
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) == 6
+
+        def child_on(port: int) -> int:
+            for pid in children:
+                cmdline = open(f"/proc/{pid}/cmdline").read().split("\0")
+                if "--port" in cmdline and cmdline[cmdline.index("--port") + 1] == str(port):
+                    return int(pid)
+            raise AssertionError(f"no child serves port {port}")
+
+        for port in (ports["target"][0], ports["orchestrator"][0]):
+            os.kill(child_on(port), signal.SIGKILL)
+        after = specdec("generate", "def f():", "--server", servers, "--max-new-tokens", "40", "--json")
+        assert after.returncode == 0, after.stderr
+        assert json.loads(after.stdout)["token_ids"] == json.loads(before.stdout)["token_ids"]
+        wait_healthy(f"127.0.0.1:{ports['orchestrator'][0]}", proc)  # restarted
+        restarted = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(restarted) == 6 and len(set(restarted) - set(children)) == 2
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert out.count("restarting it") == 2, out
+
+
 async def test_servers_offer_health_and_reflection(cluster):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
