@@ -153,6 +153,7 @@ async def test_a_session_whose_drafter_dies_drafts_on_another_of_its_pool(cluste
     ids: list[int] = []
     after: list[Chunk] = []
     killed = survivor = None
+    survivor_sessions = 0  # the most sessions the other drafter held after the kill
     try:
         async for chunk in orch.generate(greedy(200)):
             ids.extend(chunk.token_ids)
@@ -163,7 +164,6 @@ async def test_a_session_whose_drafter_dies_drafts_on_another_of_its_pool(cluste
                 own = [i for i, (_, engine) in enumerate(started) if engine.status().active_sessions]
                 assert len(own) == 1
                 killed, survivor = started[own[0]][0], started[1 - own[0]][1]
-                survivor_sessions = 0
                 await killed.stop(0)
         assert killed is not None, "the session never drafted"
         assert tuple(ids) == reference_greedy(target_path, PROMPT, 200)
