@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError, RedisError, ResponseError, TimeoutError as RedisTimeout
 
-from specdec.core.errors import CorruptRecord, InvalidRequest, SessionNotFound, StoreUnavailable
+from specdec.core.errors import CorruptRecord, InvalidRequest, SessionNotFound, SessionOutOfSync, StoreUnavailable
 from specdec.core.sessions import (
     SessionRecord,
     SessionStatus,
@@ -55,8 +55,9 @@ _INT_RE = re.compile(rb"-?[0-9]{1,40}")
 _PREFIX_RE = re.compile(r"[0-9A-Za-z_.:-]{1,64}")
 
 # Script results: 1 done, 0 no such session, -1 the key holds something that is not our session,
-# -2 another stream holds the session (see SessionStore: writes are fenced by a holder token).
-_OK, _MISSING, _FOREIGN, _TAKEN = 1, 0, -1, -2
+# -2 another stream holds the session (see SessionStore: writes are fenced by a holder token), -3 the
+# output is not the length the commit extends.
+_OK, _MISSING, _FOREIGN, _TAKEN, _MOVED = 1, 0, -1, -2, -3
 _OPTIONAL_FIELDS = frozenset({b"holder"})  # records written before fencing have none
 
 # A common guard: the hash exists, is a version-ARGV[2] session, and its output key is a string.
@@ -82,8 +83,16 @@ redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
 
-# KEYS: hash, out, k. ARGV: ttl_ms, version, packed new tokens, counters JSON, updated_at, step k bytes, holder.
+# KEYS: hash, out, k. ARGV: ttl_ms, version, packed new tokens, counters JSON, updated_at, step k bytes, holder,
+# output bytes the commit extends (-1: any). Idempotent when that is given: a retry of a commit that
+# landed (its reply lost with the connection) finds the output already extended and changes nothing.
 _COMMIT = _GUARD + _FENCE.format(n=7) + """
+local before = tonumber(ARGV[8])
+if before >= 0 then
+  local now = redis.call('STRLEN', KEYS[2])
+  if now == before + string.len(ARGV[3]) and now > before then return 1 end
+  if now ~= before then return -3 end
+end
 redis.call('APPEND', KEYS[2], ARGV[3])
 redis.call('APPEND', KEYS[3], ARGV[6])
 redis.call('PEXPIRE', KEYS[3], ARGV[1])
@@ -191,6 +200,8 @@ class RedisSessionStore:
     def _check_result(self, result: int, session_id: str) -> None:
         if result == _TAKEN:
             raise taken_over(session_id)
+        if result == _MOVED:
+            raise SessionOutOfSync(f"session {short_id(session_id)} holds another number of tokens than this commit extends")
         if result == _MISSING:
             raise SessionNotFound(f"no session {short_id(session_id)} in Redis (unknown or expired)")
         if result == _FOREIGN:
@@ -253,11 +264,12 @@ class RedisSessionStore:
 
     @_store_errors
     async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters,
-                     step_ks: Sequence[int] = (), holder: str = "") -> None:
+                     step_ks: Sequence[int] = (), holder: str = "", after: int | None = None) -> None:
         if not isinstance(counters, SpecCounters):
             raise InvalidRequest(f"counters must be SpecCounters, got {counters!r}")
         packed, counters_json = pack_ids(new_output_ids), json.dumps(counters.to_dict())
-        args = [self._ttl_ms, FORMAT_VERSION, packed, counters_json, repr(time.time()), pack_ks(step_ks), holder]
+        args = [self._ttl_ms, FORMAT_VERSION, packed, counters_json, repr(time.time()), pack_ks(step_ks), holder,
+                -1 if after is None else 4 * after]
         self._check_result(await self._commit(keys=self._keys(session_id), args=args), session_id)
 
     @_store_errors

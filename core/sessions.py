@@ -276,11 +276,14 @@ class SessionStore(Protocol):
         ...
 
     async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters,
-                     step_ks: Sequence[int] = (), holder: str = "") -> None:
+                     step_ks: Sequence[int] = (), holder: str = "", after: int | None = None) -> None:
         """Append `new_output_ids` to the output, `step_ks` (the speculation lengths of the steps that
         committed them) to the schedule, and replace the counters with these totals.
 
-        SessionNotFound if the session is missing or expired; SessionTakenOver if another holds it.
+        ``after``: the output length this commit extends. Given, the commit is idempotent: repeated
+        after it landed (a retry whose first reply was lost) it changes nothing; SessionOutOfSync if the
+        output is any other length. SessionNotFound if the session is missing or expired;
+        SessionTakenOver if another holds it.
         """
         ...
 
@@ -383,12 +386,17 @@ class InMemorySessionStore:
         return entry
 
     async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters,
-                     step_ks: Sequence[int] = (), holder: str = "") -> None:
+                     step_ks: Sequence[int] = (), holder: str = "", after: int | None = None) -> None:
         if not isinstance(counters, SpecCounters):
             raise InvalidRequest(f"counters must be SpecCounters, got {counters!r}")
         new_ids = unpack_ids(pack_ids(new_output_ids))
         new_ks = unpack_ks(pack_ks(step_ks))
         entry = self._held(session_id, holder)
+        if after is not None:
+            if new_ids and len(entry.output) == after + len(new_ids):
+                return  # landed already
+            if len(entry.output) != after:
+                raise SessionOutOfSync(f"session {short_id(session_id)} holds another number of tokens than this commit extends")
         entry.output.extend(new_ids)
         entry.step_ks.extend(new_ks)
         entry.record = replace(entry.record, counters=counters, updated_at=time.time())

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specdec.core.errors import DeadlineExceeded, InvalidRequest, SessionMoved, SessionNotFound, SessionTakenOver, SpecdecError, WorkerUnavailable
+from specdec.core.errors import (DeadlineExceeded, InvalidRequest, SessionMoved, SessionNotFound, SessionTakenOver, SpecdecError,
+                                 StoreUnavailable, WorkerUnavailable)
 from specdec.core.sessions import (SessionRecord, SessionStatus, SessionStore, SpecCounters, new_holder, new_session_id,
                                    short_id)
 from specdec.core.steps import SessionRun, SessionSpec, VerifyWorker, validate_prompt
@@ -181,7 +182,7 @@ class Orchestrator:
             async for chunk in chunks:
                 if chunk.finish_reason is not None:
                     status, reason = SessionStatus.FINISHED, chunk.finish_reason.value
-                    await self.store.finish(session_id, status, reason, holder)
+                    await self._retrying(lambda: self.store.finish(session_id, status, reason, holder))  # idempotent
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):
             status = SessionStatus.CANCELLED
@@ -299,7 +300,7 @@ class Orchestrator:
                 if finish is None and step.finished:
                     finish = FinishReason.CONTEXT_FULL  # the verifier ended it for want of room
                 # Nothing lost: the committed tokens are in the store before the client sees them.
-                await self.store.commit(spec.session_id, tokens, counters, (drafted,), holder)
+                await self._commit(spec.session_id, tokens, counters, drafted, holder, generated - len(tokens))
                 if finish is not None:
                     text += detok.finish()
                 yield Chunk(token_ids=tokens, text=text, finish_reason=finish, completion_tokens=generated,
@@ -308,6 +309,27 @@ class Orchestrator:
                     return
         finally:
             await steps.aclose()  # ends the session on the verifier (and its drafter) if it is still running
+
+    async def _commit(self, session_id: str, tokens: tuple[int, ...], counters: SpecCounters, drafted: int, holder: str,
+                      after: int) -> None:
+        """Commit one step; safe to retry, since a commit naming the length it extends lands once."""
+        await self._retrying(lambda: self.store.commit(session_id, tokens, counters, (drafted,), holder, after))
+
+    async def _retrying(self, write) -> None:
+        """A store write, riding out a store that is briefly away (a Redis restart): ``write()`` is
+        tried again for up to ``store_retry_s``, so the stream only pauses; past that,
+        StoreUnavailable ends it (the client may resume later)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.store_retry_s
+        wait = 0.05
+        while True:
+            try:
+                return await write()
+            except StoreUnavailable:
+                if loop.time() + wait > deadline:
+                    raise
+                await asyncio.sleep(wait)
+                wait = min(0.5, wait * 2)
 
     def _emit(self, token_ids: tuple[int, ...], remaining: int, detok: Detokenizer) -> tuple[tuple[int, ...], FinishReason | None, str]:
         """Cut a step's tokens at max_new_tokens, end-of-sequence or a stop string."""

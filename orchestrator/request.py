@@ -27,6 +27,8 @@ class OrchestratorConfig:
     session_ttl_s: float = 3600.0
     # A running session that committed nothing for this long has lost its orchestrator: another may resume it.
     resume_lease_s: float = 10.0
+    # A store write that fails (Redis restarting) is tried again this long before the stream fails.
+    store_retry_s: float = 5.0
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,21 @@ async def test_writes_are_fenced_by_the_holder_that_claimed_last(make_store: Mak
         await store.claim(record.session_id, 3, "newer")
 
 
+async def test_a_commit_naming_the_length_it_extends_lands_once(make_store: MakeStore) -> None:
+    """A retry of a commit that landed (its reply lost) changes nothing; a commit extending another
+    length than the output has is refused and changes nothing."""
+    store = make_store()
+    record = make_record()
+    await store.create(record, "h")
+    await store.commit(record.session_id, [4, 5], SpecCounters(verify_steps=1), (1,), holder="h", after=0)
+    await store.commit(record.session_id, [4, 5], SpecCounters(verify_steps=1), (1,), holder="h", after=0)  # the retry
+    await store.commit(record.session_id, [6], SpecCounters(verify_steps=2), (0,), holder="h", after=2)
+    with pytest.raises(SessionOutOfSync, match="another number of tokens"):
+        await store.commit(record.session_id, [7], SpecCounters(verify_steps=9), (3,), holder="h", after=1)
+    got = await store.get(record.session_id)
+    assert (got.output_ids, got.step_ks, got.counters.verify_steps) == ((4, 5, 6), (1, 0), 2)
+
+
 async def test_unknown_session(make_store: MakeStore) -> None:
     store = make_store()
     sid = new_session_id()
