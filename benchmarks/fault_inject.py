@@ -112,19 +112,28 @@ class Deployment:
                                   [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                                    "--appendonly", "yes", "--appendfsync", "always", "--dir", str(workdir / "redis")],
                                   workdir / "logs" / "redis.log")
+        # KV blocks are a cache (a resume recomputes what is missing): they go to a Redis of their own
+        # that keeps nothing on disk, as a deployment would run them, so the session store's
+        # append-only file holds only records and a restart replays it quickly.
+        kv_port = free_port()
+        self.kv_redis_url = f"redis://127.0.0.1:{kv_port}/0"
+        self.kv_redis = RedisProcess("kv-redis", 0, kv_port, 0,
+                                     [redis_server, "--port", str(kv_port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(workdir / "redis")], workdir / "logs" / "kv-redis.log")
         # One torch thread per process and OpenMP threads that sleep when idle (FINDINGS.md: spinning
         # workers make their neighbours on a small machine many times slower).
         self.env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
         common = [sys.executable, "-m", "specdec", "serve", "--target", target, "--draft", draft, "--threads", str(threads),
                   "--tls-cert", str(self.certs["tls.crt"]), "--tls-key", str(self.certs["tls.key"]),
                   "--tls-ca", str(self.certs["ca.crt"]), "--grace-s", str(grace_s)]
-        self.processes: dict[str, list[Process]] = {"redis": [self.redis], **{role: [] for role in ROLES}}
+        self.processes: dict[str, list[Process]] = {"kv-redis": [self.kv_redis], "redis": [self.redis],
+                                                    **{role: [] for role in ROLES}}
         ports = {role: [free_port() for _ in range(replicas)] for role in ROLES}
         for role in ROLES:
             for i, port in enumerate(ports[role]):
                 argv = common + [role, "--port", str(port), "--health-port", str(free_port())]
                 if role == "target" and kv_blocks:
-                    argv += ["--kv-redis-url", self.redis_url]
+                    argv += ["--kv-redis-url", self.kv_redis_url]
                 if role == "orchestrator":
                     argv += ["--redis-url", self.redis_url, "--step-timeout-s", str(step_timeout_s),
                              "--verifier-address", ",".join(f"127.0.0.1:{p}" for p in ports["target"]),
@@ -134,7 +143,7 @@ class Deployment:
 
     @property
     def all(self) -> list[Process]:
-        return [p for role in FAULT_ROLES for p in self.processes[role]]
+        return [p for role in ("kv-redis", *FAULT_ROLES) for p in self.processes[role]]
 
     @property
     def orchestrators(self) -> list[str]:
@@ -143,7 +152,7 @@ class Deployment:
     def start(self, ready_timeout_s: float = 300.0) -> None:
         for p in self.all:  # Redis, then workers: orchestrators ask them for the model at start-up
             p.start(self.env)
-            if p.role in ("redis", "target"):
+            if p.role in ("kv-redis", "redis", "target"):
                 self.wait_ready([p], ready_timeout_s)
         self.wait_ready(self.all, ready_timeout_s)
 
