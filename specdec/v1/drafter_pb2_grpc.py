@@ -72,7 +72,8 @@ class DrafterServicer:
         answers with draft blocks: the block for the new committed sequence and, while the verifier is
         busy, pre-drafted blocks for the likeliest outcomes of the block in flight. Closing or cancelling
         the stream frees the session. INVALID_ARGUMENT for a bad open or outcome (the stream ends);
-        RESOURCE_EXHAUSTED when the worker holds its maximum of sessions.
+        RESOURCE_EXHAUSTED when the worker holds its maximum of sessions. Opening a session that an
+        earlier stream here still drafts for (its verifier died or froze) ends that stream with ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

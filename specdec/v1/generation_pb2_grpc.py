@@ -89,7 +89,9 @@ class GenerationServicer:
         gone on (token for token when greedy, and when sampled under the coupled rule). For a client
         whose stream broke (its orchestrator died, the connection dropped). Only the key that created
         the session may resume it: anyone else gets NOT_FOUND, as for an unknown id.
-        FAILED_PRECONDITION while the session still streams from a live orchestrator.
+        Resuming takes the session over at once: a stream of it still running elsewhere ends with
+        ABORTED and can write nothing more. FAILED_PRECONDITION if the session kept committing while
+        it was being taken over (resume again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -61,7 +61,9 @@ class VerifierServicer:
         a full context, or the caller cancels (which frees the session here and on the drafter). One
         message per step. If the drafter is unreachable or slow the session goes on as plain decoding
         and speculates again once the drafter is back. INVALID_ARGUMENT for a bad request;
-        RESOURCE_EXHAUSTED when the worker holds its maximum of sessions.
+        RESOURCE_EXHAUSTED when the worker holds its maximum of sessions. A session opened again while
+        an earlier stream of it runs here (its orchestrator died or froze and it was resumed) ends that
+        stream with ABORTED and runs this one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
