@@ -1,7 +1,9 @@
 """Fault injection with real processes: kill -9, SIGTERM and SIGSTOP of every role mid-generation.
 
 A deployment of separate ``specdec serve`` processes (2 drafters, 2 verifiers, 2 orchestrators,
-mutual TLS on every hop) over a private redis-server. Each round starts a few sessions through
+mutual TLS on every hop) over private redis-servers: the session store with its append-only file
+fsynced on every write, and one without persistence for the KV blocks (a cache). Faults hit the
+three roles and the session store. Each round starts a few sessions through
 `specdec.client.ResumingClient` (greedy, and seeded sampling under the coupled rule, which makes
 the output a function of the seed alone), waits until they are mid-generation, then hits one
 process of one role: SIGKILL (restarted at once), SIGTERM (it drains, exits, is restarted) or
