@@ -27,22 +27,23 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError, RedisError, ResponseError, TimeoutError as RedisTimeout
 
-from specdec.core.errors import CorruptRecord, InvalidRequest, SessionNotFound, SessionOutOfSync, StoreUnavailable
+from specdec.core.errors import CorruptRecord, InvalidRequest, SessionNotFound, StoreUnavailable
 from specdec.core.sessions import (
     SessionRecord,
     SessionStatus,
     SpecCounters,
     check_claim,
-    taken_over,
     check_finish,
     check_record,
     check_session_id,
+    commit_out_of_sync,
     json_object,
     pack_ids,
     pack_ks,
     short_id,
     params_from_json,
     params_to_json,
+    taken_over,
     unpack_ids,
     unpack_ks,
 )
@@ -201,7 +202,7 @@ class RedisSessionStore:
         if result == _TAKEN:
             raise taken_over(session_id)
         if result == _MOVED:
-            raise SessionOutOfSync(f"session {short_id(session_id)} holds another number of tokens than this commit extends")
+            raise commit_out_of_sync(session_id)
         if result == _MISSING:
             raise SessionNotFound(f"no session {short_id(session_id)} in Redis (unknown or expired)")
         if result == _FOREIGN:

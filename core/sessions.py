@@ -255,6 +255,10 @@ def check_claim(result: int, session_id: str) -> None:
         raise SessionMoved(f"session {short_id(session_id)} moved on while it was being resumed: resume again")
 
 
+def commit_out_of_sync(session_id: str) -> SessionOutOfSync:
+    return SessionOutOfSync(f"session {short_id(session_id)} holds another number of tokens than this commit extends")
+
+
 def taken_over(session_id: str) -> SessionTakenOver:
     return SessionTakenOver(f"session {short_id(session_id)} was resumed by a newer stream; this one has ended "
                             "(read the rest from the stream that resumed it)")
@@ -396,7 +400,7 @@ class InMemorySessionStore:
             if new_ids and len(entry.output) == after + len(new_ids):
                 return  # landed already
             if len(entry.output) != after:
-                raise SessionOutOfSync(f"session {short_id(session_id)} holds another number of tokens than this commit extends")
+                raise commit_out_of_sync(session_id)
         entry.output.extend(new_ids)
         entry.step_ks.extend(new_ks)
         entry.record = replace(entry.record, counters=counters, updated_at=time.time())

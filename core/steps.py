@@ -21,6 +21,7 @@ from specdec.core.speculation import SpeculationPolicy
 
 MAX_STEP_TOKENS = 65  # 64 draft tokens (the speculation length's cap) and the recovered or bonus token
 MAX_DISTRIBUTION_ENTRIES = 1024  # a draft token's sent distribution: its top-K (32 by default), never the vocabulary
+MAX_FALLBACK_DRAFTERS = 8  # other drafters a session may move to (SessionRun.fallback_drafters)
 
 
 @dataclass(frozen=True)

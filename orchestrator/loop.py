@@ -21,6 +21,7 @@ from specdec.core.errors import (DeadlineExceeded, InvalidRequest, SessionMoved,
                                  StoreUnavailable, WorkerUnavailable)
 from specdec.core.sessions import (SessionRecord, SessionStatus, SessionStore, SpecCounters, new_holder, new_session_id,
                                    short_id)
+from specdec.core.speculation import SpeculationPolicy
 from specdec.core.steps import SessionRun, SessionSpec, VerifyWorker, validate_prompt
 from specdec.orchestrator.admission import AdmissionQueue
 from specdec.orchestrator.detokenize import Detokenizer
@@ -85,17 +86,18 @@ class Orchestrator:
             metrics.requests_running.set_function(lambda: self.admission.running)
             metrics.requests_waiting.set_function(lambda: self.admission.waiting)
 
-    async def _place_drafter(self) -> tuple[str, str, tuple[tuple[str, str], ...]]:
-        """(address, certificate name) of the drafter a new session streams from, and the others it
-        may move to."""
-        if self.drafters is None:
-            return self.drafter_address, "", ()
-        try:
-            address, name = await self.drafters.place()
-        except WorkerUnavailable as exc:  # no drafter answers: the session decodes alone (speed, not output)
-            log.warning("no drafter to place a session on (%s): decoding without speculation", exc)
-            return "", "", ()
-        return address, name, self.drafters.fallbacks(address)
+    async def _session_run(self, spec: SessionSpec, max_new_tokens: int, policy: SpeculationPolicy) -> SessionRun:
+        """The session as a verifier runs it, on the drafter it is placed on (and the others it may move to)."""
+        address, name, fallbacks = self.drafter_address, "", ()
+        if self.drafters is not None:
+            try:
+                address, name = await self.drafters.place()
+                fallbacks = self.drafters.fallbacks(address)
+            except WorkerUnavailable as exc:  # no drafter answers: the session decodes alone (speed, not output)
+                log.warning("no drafter to place a session on (%s): decoding without speculation", exc)
+                address = ""
+        stops = () if self.target.eos_token_id is None else (self.target.eos_token_id,)
+        return SessionRun(spec, address, max_new_tokens, policy, stops, name, fallbacks)
 
     @property
     def running(self) -> int:
@@ -165,9 +167,7 @@ class Orchestrator:
         session_id = new_session_id()
         record = SessionRecord.new(prompt_ids, params_json(request, drafter_name), sampling.seed, session_id)
         spec = SessionSpec(session_id, prompt_ids, sampling, drafter_name)
-        drafter_address, drafter_name, fallbacks = await self._place_drafter()
-        run = SessionRun(spec, drafter_address, request.max_new_tokens, request.policy,
-                         () if self.target.eos_token_id is None else (self.target.eos_token_id,), drafter_name, fallbacks)
+        run = await self._session_run(spec, request.max_new_tokens, request.policy)
         holder = new_holder()  # this stream's fencing token: a resume elsewhere fences it off
         await self.store.create(record, holder)
         async with contextlib.aclosing(self._tracked(session_id, holder, self._loop(request, run, holder))) as chunks:
@@ -184,10 +184,8 @@ class Orchestrator:
                     status, reason = SessionStatus.FINISHED, chunk.finish_reason.value
                     await self._retrying(lambda: self.store.finish(session_id, status, reason, holder))  # idempotent
                 yield chunk
-        except (asyncio.CancelledError, GeneratorExit):
-            status = SessionStatus.CANCELLED
-            raise
-        except DeadlineExceeded:  # the client's deadline, carried to the worker: the client gave up
+        # The client went away, or gave up: its deadline, carried to the worker, passed there first.
+        except (asyncio.CancelledError, GeneratorExit, DeadlineExceeded):
             status = SessionStatus.CANCELLED
             raise
         except SessionTakenOver:
@@ -252,10 +250,8 @@ class Orchestrator:
             await self.store.claim(session_id, len(output), holder)
             spec = SessionSpec(session_id, tuple(record.prompt_ids) + output, request.sampling,
                                request.drafter or self.config.default_drafter)
-            drafter_address, drafter_name, fallbacks = await self._place_drafter()
-            run = SessionRun(spec, drafter_address, request.max_new_tokens - len(output),
-                             request.policy.resumed_at(record.step_ks[-1] if record.step_ks else None),
-                             () if self.target.eos_token_id is None else (self.target.eos_token_id,), drafter_name, fallbacks)
+            run = await self._session_run(spec, request.max_new_tokens - len(output),
+                                          request.policy.resumed_at(record.step_ks[-1] if record.step_ks else None))
             rest = self._loop(request, run, holder, detok=detok, generated=len(output), counters=record.counters,
                               prompt_tokens=len(record.prompt_ids))
             async with contextlib.aclosing(self._tracked(session_id, holder, rest)) as chunks:

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from specdec.core.errors import WorkerUnavailable
 from specdec.core.sessions import short_id
-from specdec.core.steps import SessionRun, StepCommit, VerifyWorker, WorkerInfo
+from specdec.core.steps import MAX_FALLBACK_DRAFTERS, SessionRun, StepCommit, VerifyWorker, WorkerInfo
 
 log = logging.getLogger(__name__)
 STATUS_TIMEOUT_S = 2.0
@@ -209,7 +209,7 @@ class DrafterPool(ReplicaPool):
         self._placed[address] = self._placed.get(address, 0) + 1  # counted until the next status refresh
         return address, self.server_names.get(address) or ""
 
-    def fallbacks(self, address: str, limit: int = 8) -> tuple[tuple[str, str], ...]:
+    def fallbacks(self, address: str, limit: int = MAX_FALLBACK_DRAFTERS) -> tuple[tuple[str, str], ...]:
         """The other replicas that answered last time, least loaded first: where a session placed on
         ``address`` drafts if that one fails."""
         others = sorted((a for a in self.replicas if a != address and self._load.get(a, 0.0) != float("inf")),

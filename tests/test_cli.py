@@ -91,6 +91,20 @@ def _free(port: int) -> bool:
             return False
 
 
+def wait_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 90) -> None:
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(service="specdec.v1.Generation"), timeout=1).status == 1:
+                    return
+            except grpc.RpcError:
+                pass
+            assert time.time() < deadline and proc.poll() is None, f"{address} did not become healthy"
+            time.sleep(0.3)
+
+
 def test_up_runs_three_processes_against_redis(tiny_pair, redis_url):
     target, draft = tiny_pair
     base = free_port_block()
@@ -99,17 +113,8 @@ def test_up_runs_three_processes_against_redis(tiny_pair, redis_url):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         address = f"127.0.0.1:{base}"
+        wait_healthy(address, proc)
         channel = grpc.insecure_channel(address)
-        health = health_pb2_grpc.HealthStub(channel)
-        deadline = time.time() + 90
-        while True:
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(service="specdec.v1.Generation"), timeout=1).status == 1:
-                    break
-            except grpc.RpcError:
-                pass
-            assert time.time() < deadline and proc.poll() is None, "specdec up did not become healthy"
-            time.sleep(0.3)
         stub = generation_pb2_grpc.GenerationStub(channel)
         reply = stub.Generate(pb.GenerateRequest(text="import os\n", max_new_tokens=10,
                                                  sampling=common_pb2.SamplingParams(temperature=0)), timeout=60)
@@ -134,20 +139,6 @@ def test_up_runs_three_processes_against_redis(tiny_pair, redis_url):
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
-
-
-def wait_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 90) -> None:
-    with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        deadline = time.time() + timeout_s
-        while True:
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(service="specdec.v1.Generation"), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                pass
-            assert time.time() < deadline and proc.poll() is None, f"{address} did not become healthy"
-            time.sleep(0.3)
 
 
 def test_up_with_replicas_restarts_a_process_that_dies_and_serves_meanwhile(tiny_pair, redis_url):

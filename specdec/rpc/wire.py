@@ -6,6 +6,7 @@ from specdec.core.sampling import SamplingParams, VerificationRule
 from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 from specdec.core.steps import (
     MAX_DISTRIBUTION_ENTRIES,
+    MAX_FALLBACK_DRAFTERS,
     MAX_STEP_TOKENS,
     DraftBlock,
     DraftProposal,
@@ -107,7 +108,8 @@ def outcome_from_pb(pb: drafter_pb2.StepOutcome) -> StepOutcome:
     return StepOutcome(pb.committed_len, tuple(pb.token_ids), pb.num_speculative_tokens, pb.overlap)
 
 
-MAX_FALLBACK_DRAFTERS = 8
+MAX_DNS_NAME_CHARS = 253
+MAX_ADDRESS_CHARS = MAX_DNS_NAME_CHARS + 8  # host:port, an IPv6 host in brackets
 
 
 def run_to_pb(r: SessionRun) -> verifier_pb2.SessionRequest:
@@ -122,9 +124,9 @@ def _fallbacks_from_pb(endpoints) -> tuple[tuple[str, str], ...]:
     if len(endpoints) > MAX_FALLBACK_DRAFTERS:
         raise InvalidRequest(f"SessionRequest.fallback_drafters names {len(endpoints)} drafters; send at most "
                              f"{MAX_FALLBACK_DRAFTERS}")
-    if any(len(e.address) > 261 or len(e.server_name) > 253 for e in endpoints):
-        raise InvalidRequest("a fallback drafter's address is over 261 characters or its server_name over 253: "
-                             "send host:port and a DNS name")
+    if any(len(e.address) > MAX_ADDRESS_CHARS or len(e.server_name) > MAX_DNS_NAME_CHARS for e in endpoints):
+        raise InvalidRequest(f"a fallback drafter's address is over {MAX_ADDRESS_CHARS} characters or its server_name over "
+                             f"{MAX_DNS_NAME_CHARS}: send host:port and a DNS name")
     return tuple((e.address, e.server_name) for e in endpoints if e.address)
 
 
@@ -135,7 +137,7 @@ def run_from_pb(pb: verifier_pb2.SessionRequest) -> SessionRun:
         raise InvalidRequest("SessionRequest.speculation is missing: send the speculation policy")
     return SessionRun(spec_from_pb(pb.session), pb.drafter_address, pb.max_new_tokens,
                       policy_from_pb(pb.speculation, SpeculationPolicy()), tuple(pb.stop_token_ids),
-                      pb.drafter_server_name[:253],  # a DNS name is at most 253 characters
+                      pb.drafter_server_name[:MAX_DNS_NAME_CHARS],
                       _fallbacks_from_pb(pb.fallback_drafters))
 
 
