@@ -72,9 +72,9 @@ class KVSequence:
         n = len(token_ids)): a resumed session skips recomputing them. The lean forward only."""
         if self._decoder is None:
             raise ValueError("loading a KV prefix needs the lean forward's cache")
-        n = len(token_ids)
-        self._decoder._reserve(self._cache, n)
-        self._cache.buf[:, :, :, :n] = kv
+        if kv.shape[3] != len(token_ids):
+            raise ValueError(f"{kv.shape[3]} positions of keys and values for {len(token_ids)} tokens")
+        self._decoder.write_prefix(self._cache, kv)
         self._cached_ids = list(token_ids)
 
     def plan(self, token_ids: Sequence[int], num_last: int):

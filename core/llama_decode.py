@@ -26,7 +26,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-INITIAL_CAPACITY = 64  # positions; a cache doubles from here up to the model's context length
+from specdec.core.kv_slots import DecodeCache, SlotPool
+
+INITIAL_CAPACITY = 64  # positions; a private cache (not a pool slot) doubles from here up to the model's context length
 PACK_ROWS = 8  # a verification feeds 1 + k rows; oneDNN packs each weight for about this many
 
 
@@ -89,17 +91,6 @@ def _rotary_pairs_adjacent(weight: torch.Tensor, heads: int, head_dim: int) -> t
     return weight.view(heads, head_dim, -1)[:, order].reshape(heads * head_dim, -1)
 
 
-class DecodeCache:
-    """One sequence's keys and values, ``[layers, 2 (k, v), kv_heads, capacity, head_dim]``."""
-
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.buf = buf
-
-    @property
-    def capacity(self) -> int:
-        return self.buf.shape[3]
-
-
 class LlamaDecoder:
     """Weights shared by every sequence of one model. ``pack_rows``: rows per call to pack for (None: no packing).
 
@@ -158,18 +149,32 @@ class LlamaDecoder:
             inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # [d/2]
             angles = torch.outer(torch.arange(self.context_length, dtype=torch.float32), inv_freq)  # [context, d/2]
             self.rotary = torch.polar(torch.ones_like(angles), angles)[:, None, :]  # [context, 1, d/2] complex64
+        self.pool = SlotPool(len(self.layers), self.n_kv, self.context_length, self.head_dim, dtype)
 
     def new_cache(self) -> DecodeCache:
+        """A slot of this decoder's pool (core/kv_slots.py): batches of pooled caches attend together."""
+        return self.pool.acquire()
+
+    def private_cache(self) -> DecodeCache:
+        """A cache with a buffer of its own (grown on demand), attended alone in a batch."""
         return DecodeCache(self._alloc(min(INITIAL_CAPACITY, self.context_length)))
+
+    def write_prefix(self, cache: DecodeCache, kv: torch.Tensor) -> None:
+        """Adopt keys and values ``kv`` [layers, 2, kv_heads, n, head_dim] as positions [0, n) of ``cache``."""
+        n = kv.shape[3]
+        self._reserve(cache, n)
+        cache.buf[:, :, :, :n] = kv
+        if cache.pooled:
+            self.pool.wrote(cache.slab, cache.slot, 0, n)
 
     def _alloc(self, capacity: int) -> torch.Tensor:
         return torch.zeros(len(self.layers), 2, self.n_kv, capacity, self.head_dim, dtype=self.dtype)
 
     def _reserve(self, cache: DecodeCache, end: int) -> None:
-        if end <= cache.capacity:
-            return
         if end > self.context_length:
             raise ValueError(f"{end} positions exceed the model's context length {self.context_length}")
+        if end <= cache.capacity:
+            return
         capacity = cache.capacity
         while capacity < end:
             capacity *= 2
@@ -231,36 +236,42 @@ class LlamaDecoder:
 
         The rows of all sequences are flattened into one [N, hidden] batch (N = the sum of their
         lengths, ragged, in the spirit of vLLM's flattened draft tokens with offsets), so every
-        weight is read once per forward however many sequences share it: that is where batching
-        pays. Attention stays per sequence, on its own contiguous buffer: measured here, gathering
-        B caches into one padded tensor per layer copies more bytes than the loop costs in calls
-        (a GPU would run the same flattened rows through a varlen attention kernel instead).
+        weight is read once per forward however many sequences share it. Attention runs once per
+        layer for the sequences of each pool slab (`_SlabAttention`: their slots are one view) and
+        per sequence for private caches (a GPU would run the same flattened rows through a varlen
+        or paged attention kernel instead).
         """
         lengths = [len(t) for t in token_ids]
         for cache, start, n in zip(caches, starts, lengths):
             self._reserve(cache, start + n)
-        flat = [t for ids in token_ids for t in ids]
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])  # [N]
-        x = self.embed[torch.tensor(flat)]  # [N, hidden]
-        rotary = self.rotary[positions]  # [N, 1, d/2]
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        masks = [torch.ones(n, s + n, dtype=torch.bool).tril(diagonal=s) if n > 1 else None for s, n in zip(starts, lengths)]
+        positions = torch.tensor([s + r for s, n in zip(starts, lengths) for r in range(n)])  # [N]
+        x = self.embed[torch.tensor([t for ids in token_ids for t in ids])]  # [N, hidden]
+        rotary = self.rotary[positions]  # [N, 1, d/2]
+
+        by_slab: dict[int, list[int]] = {}
+        groups: list[_SlabAttention | _AloneAttention] = []
+        for b, cache in enumerate(caches):
+            if cache.pooled and cache.pool is self.pool:
+                by_slab.setdefault(cache.slab, []).append(b)
+            else:
+                groups.append(_AloneAttention(self, cache, starts[b], offsets[b], offsets[b + 1]))
+        groups += [_SlabAttention(self, slab, [(caches[b].slot, starts[b], offsets[b], lengths[b]) for b in members])
+                   for slab, members in by_slab.items()]
+        total = offsets[-1]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = []
-            for b, cache in enumerate(caches):
-                lo, hi, start = offsets[b], offsets[b + 1], starts[b]
-                end = start + hi - lo
-                buf = cache.buf
-                buf[i, 0, :, start:end] = k[lo:hi].transpose(0, 1)
-                buf[i, 1, :, start:end] = v[lo:hi].transpose(0, 1)
-                out.append(self._attention(q[lo:hi], buf[i, 0, :, :end], buf[i, 1, :, :end], masks[b]))
-            return out[0] if len(out) == 1 else torch.cat(out)
+            if len(groups) == 1 and groups[0].in_order:
+                return groups[0].attend(i, q, k, v)
+            out = q.new_empty(total, self.n_heads * self.head_dim)
+            for g in groups:
+                out[g.rows] = g.attend(i, q, k, v)
+            return out
 
         x = self.layers_with(x, rotary, attend)
-        rows = torch.cat([torch.arange(offsets[b + 1] - m, offsets[b + 1]) for b, m in enumerate(num_last)])
+        rows = torch.tensor([r for b, m in enumerate(num_last) for r in range(offsets[b + 1] - m, offsets[b + 1])])
         logits = self.lm_head(F.rms_norm(x[rows], (self.hidden,), self.final_norm, self.eps)).float()  # [sum(num_last), vocab]
         return list(logits.split(num_last))
 
@@ -275,7 +286,89 @@ class LlamaDecoder:
         rotary = self.rotary[start:end]  # [n, 1, d/2]
         # Causal mask only when several tokens arrive at once (prefill / multi-token feed).
         mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start) if n > 1 else None  # [n, end]
+        if cache.pooled:
+            self.pool.fill_to(cache.slab, cache.slot, start)  # (a no-op unless the cache skipped positions)
         x = self.layers_forward(x, rotary, cache.buf, start, mask)
+        if cache.pooled:
+            self.pool.wrote(cache.slab, cache.slot, start, end)
         if num_last is not None:
             x = x[-num_last:]
         return self.lm_head(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps)).float()  # [rows, vocab]
+
+
+class _AloneAttention:
+    """A private cache's rows of a batch: attended on their own, as a single-sequence forward would."""
+
+    def __init__(self, dec: LlamaDecoder, cache: DecodeCache, start: int, lo: int, hi: int) -> None:
+        self.dec, self.cache, self.start, self.lo, self.hi = dec, cache, start, lo, hi
+        self.rows = slice(lo, hi)
+        self.in_order = True  # its rows are one run of the batch's rows
+        n = hi - lo
+        self.mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start) if n > 1 else None
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        lo, hi, start = self.lo, self.hi, self.start
+        end = start + hi - lo
+        buf = self.cache.buf
+        buf[i, 0, :, start:end] = k[lo:hi].transpose(0, 1)  # [kv, n, d]
+        buf[i, 1, :, start:end] = v[lo:hi].transpose(0, 1)
+        return self.dec._attention(q[lo:hi], buf[i, 0, :, :end], buf[i, 1, :, :end], self.mask)
+
+
+class _SlabAttention:
+    """The rows of a batch's sequences that live in one pool slab, attended in one SDPA call per layer.
+
+    The call covers slots ``lo..hi`` (every member, and any slot between them that is not in this
+    batch: its query rows are padding whose output is dropped) and positions up to the longest
+    member's end ``length``; each member's queries are padded to the batch's most rows ``n_max``,
+    and a mask [slots, 1, n_max, length] lets query row r of a member starting at s see positions
+    ``< s + r + 1`` (causal within its own new rows). Every slot in the range is made finite up to
+    ``length`` first (core/kv_slots.py: masked positions are still multiplied)."""
+
+    def __init__(self, dec: LlamaDecoder, slab: int, members: list[tuple[int, int, int, int]]) -> None:
+        """``members``: (slot, start, first row in the batch, rows) per sequence."""
+        self.dec = dec
+        self.slab = dec.pool.slabs[slab]  # [slots, layers, 2, kv, context, d]
+        self.lo = min(slot for slot, _, _, _ in members)
+        hi = max(slot for slot, _, _, _ in members)
+        self.length = max(start + n for _, start, _, n in members)
+        self.n_max = max(n for _, _, _, n in members)
+        for slot in range(self.lo, hi + 1):
+            dec.pool.fill_to(slab, slot, self.length)
+        rows, slots, pos, row_in_seq = [], [], [], []
+        for slot, start, first, n in members:
+            rows.extend(range(first, first + n))
+            slots.extend([slot] * n)
+            pos.extend(range(start, start + n))
+            row_in_seq.extend(range(n))
+        self.in_order = rows == list(range(len(rows)))
+        self.rows = torch.tensor(rows)  # where the members' rows sit in the batch [Ng]
+        self.slots = torch.tensor(slots)  # [Ng]
+        self.pos = torch.tensor(pos)  # [Ng]
+        self.rel = self.slots - self.lo  # [Ng]
+        self.row_in_seq = torch.tensor(row_in_seq)  # [Ng]
+        self.span = hi + 1 - self.lo
+        limit = torch.full((self.span, self.n_max), self.length)  # padding slots: everything (finite, dropped)
+        firsts = torch.tensor([start for _, start, _, _ in members])
+        limit[torch.tensor([slot - self.lo for slot, _, _, _ in members])] = firsts[:, None] + torch.arange(1, self.n_max + 1)
+        full = self.n_max == 1 and self.span == len(members) and all(start + n == self.length for _, start, _, n in members)
+        self.mask = None if full else (torch.arange(self.length) < limit[:, :, None])[:, None]  # [span, 1, n_max, length]
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dec = self.dec
+        keys, values = self.slab[:, i, 0], self.slab[:, i, 1]  # [slots, kv, context, d]
+        if self.in_order:  # the batch's first Ng rows: views, no gather
+            ng = len(self.rows)
+            q, k, v = q[:ng], k[:ng], v[:ng]
+        else:
+            q, k, v = q[self.rows], k[self.rows], v[self.rows]
+        keys[self.slots, :, self.pos] = k  # [Ng, kv, d] into each member's slot
+        values[self.slots, :, self.pos] = v
+        hi = self.lo + self.span
+        queries = q.new_zeros(self.span, self.n_max, dec.n_heads, dec.head_dim)
+        queries[self.rel, self.row_in_seq] = q
+        att = F.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys[self.lo:hi, :, : self.length], values[self.lo:hi, :, : self.length],
+            attn_mask=self.mask, scale=1.0 / math.sqrt(dec.head_dim), enable_gqa=dec.n_kv != dec.n_heads,
+        )  # [span, h, n_max, d]
+        return att.transpose(1, 2)[self.rel, self.row_in_seq].reshape(-1, dec.n_heads * dec.head_dim)
