@@ -117,8 +117,25 @@ class StepCostModel:
         return t
 
 
+EXPLORE_AFTER = 16  # steps in the starting mode before the other one is first measured
+EXPLORE_EVERY = 96  # steps in the chosen mode between two measurements of the other
+EXPLORE_STEPS = 12  # steps a measurement runs, besides the two that straddle each switch
+
+
 class SpeculationController:
-    """Per-request state: call ``next_k()`` before each step and ``observe()`` after it."""
+    """Per-request state: call ``next_k()`` before each step, ``next_overlap()`` when telling the
+    drafter a step's outcome, and ``observe()`` after each step.
+
+    Adaptive requests that allow overlap also choose, by measurement, whether the drafter drafts
+    ahead: on a machine where drafter and verifier share cores (this one: 2 vCPUs that behave like
+    one core's two hyperthreads), drafting during a verification slows that verification by about
+    as much as a pre-drafted block saves, so sequential steps can be the faster ones; across
+    machines, overlap wins. The request keeps a cost model per mode, runs in the better one, and
+    every ``EXPLORE_EVERY`` steps spends ``EXPLORE_STEPS`` in the other to keep its figures fresh.
+    A step's timing belongs to the mode of the two outcomes before it (the last one decides what the
+    drafter did during its verification, the one before whether its block was drafted ahead); the
+    two steps after a switch are counted in neither. Overlap changes speed only, never tokens.
+    """
 
     def __init__(self, policy: SpeculationPolicy, prior_accepted: float = 2.0, prior_rejected: float = 1.0, decay: float = 0.8) -> None:
         self.policy = policy
@@ -126,20 +143,43 @@ class SpeculationController:
         self._rejected = prior_rejected
         self._decay = decay
         self._k = policy.num_speculative_tokens
-        self.costs = StepCostModel()
+        self._overlap = policy.overlap
+        chooses = policy.mode is SpeculationMode.ADAPTIVE and policy.overlap
+        self._models = {True: StepCostModel(), False: StepCostModel()} if chooses else {policy.overlap: StepCostModel()}
+        self._sent: list[bool] = []  # the overlap flags of the last two outcomes told to the drafter
+        self._in_mode = 0  # steps since the mode last changed
+        self._exploring = False
+        self._explore_after = EXPLORE_AFTER
 
     @property
     def alpha(self) -> float:
         return self._accepted / (self._accepted + self._rejected)
 
+    @property
+    def costs(self) -> StepCostModel:
+        """The cost model of the mode the request runs in now."""
+        return self._models[self._overlap]
+
     def next_k(self) -> int:
         return self._k
+
+    @property
+    def overlap(self) -> bool:
+        """The mode the request runs in now: True while the drafter drafts ahead."""
+        return self._overlap
+
+    def next_overlap(self) -> bool:
+        """Whether the drafter should draft ahead after the outcome being sent now."""
+        self._sent = [*self._sent[-1:], self._overlap]
+        return self._overlap
 
     def observe(self, num_drafted: int, num_accepted: int, timing: StepTiming | None = None) -> None:
         if self.policy.mode is SpeculationMode.FIXED:
             return
         if timing is not None:
-            self.costs.observe(num_drafted, timing)
+            mode = self._step_mode()
+            if mode is not None:
+                self._models[mode].observe(num_drafted, timing)
         if num_drafted > 0:
             # accepted tokens are successes; the first rejection (if any) is one failure.
             rejected = 1 if num_accepted < num_drafted else 0
@@ -148,13 +188,38 @@ class SpeculationController:
         else:
             # Nothing drafted (k = 0 or an empty n-gram lookup): drift back towards speculating.
             self._accepted += 0.5
-        self._k = self._best_k()
+        if len(self._models) == 2:
+            self._choose_mode()
+        self._k = self._best_k(self.costs)[0]
 
-    def _best_k(self) -> int:
+    def _step_mode(self) -> bool | None:
+        if not self._sent:
+            return self._overlap
+        if len(self._sent) == 2 and self._sent[0] != self._sent[1]:
+            return None  # straddles a switch
+        return self._sent[-1]
+
+    def _choose_mode(self) -> None:
+        self._in_mode += 1
+        if self._exploring:
+            if self._in_mode < EXPLORE_STEPS + 2:
+                return
+            self._exploring = False
+            best = max(self._models, key=lambda m: self._best_k(self._models[m])[1])
+            if best != self._overlap:
+                self._overlap, self._in_mode = best, 0
+            self._explore_after = EXPLORE_EVERY
+        elif self._in_mode >= self._explore_after and self._k > 0:  # at k = 0 the mode makes no difference
+            self._overlap, self._in_mode, self._exploring = not self._overlap, 0, True
+
+    def _best_k(self, costs: StepCostModel) -> tuple[int, float]:
+        """The k that maximises expected committed tokens per second under ``costs``, and that rate."""
         alpha = self.alpha
-        if self.costs.steps == 0:
+        if costs.steps == 0:
             c = self.policy.draft_cost_ratio
             cost = lambda k: 1.0 + c * k  # noqa: E731
         else:
-            cost = self.costs.seconds
-        return max(range(self.policy.max_speculative_tokens + 1), key=lambda k: expected_tokens(alpha, k) / cost(k))
+            cost = costs.seconds
+        rates = [expected_tokens(alpha, k) / cost(k) for k in range(self.policy.max_speculative_tokens + 1)]
+        k = max(range(len(rates)), key=rates.__getitem__)  # the smallest k of the best rate
+        return k, rates[k]

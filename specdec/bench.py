@@ -174,6 +174,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="off,k1,k2,k3,adaptive",
                    help="with --concurrency: off, kN, kN-seq (no drafting ahead), adaptive (default off,k1,k2,k3,adaptive)")
     p.add_argument("--tokens-per-level", type=int, default=2048, help="with --concurrency: tokens each level x mode generates")
+    p.add_argument("--rounds", type=int, default=1, help="with --concurrency: run every level x mode this many times, "
+                   "alternated, and report the median (default 1)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -206,9 +208,9 @@ def run(args: argparse.Namespace) -> int:
                 bench_load.policy_for(mode)
         except ValueError as exc:
             raise UsageError(f"--concurrency takes comma-separated integers and --modes off/kN/kN-seq/adaptive: {exc}") from None
-        if not levels or min(levels) < 1 or args.tokens_per_level < 1:
-            raise UsageError("--concurrency levels and --tokens-per-level must be >= 1")
-        return bench_load.run(config, levels, modes, args.tokens_per_level, Path(args.out))
+        if not levels or min(levels) < 1 or args.tokens_per_level < 1 or args.rounds < 1:
+            raise UsageError("--concurrency levels, --tokens-per-level and --rounds must be >= 1")
+        return bench_load.run(config, levels, modes, args.tokens_per_level, Path(args.out), args.rounds)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         report = bench(config)

@@ -2,14 +2,18 @@
 
 At each level, that many clients send requests back to back until the level has generated its
 share of tokens; the verifier batches the verify steps of every ready session. Per level and mode
-(speculation off, each fixed k, adaptive; alternated within a level, so the machine drifts less
-between them): aggregate tokens/s, time to first token and inter-token latency p50/p99, and the
-mean number of sessions per target forward. Writes load.json and load.png to --out.
+(speculation off, each fixed k, adaptive): aggregate tokens/s, time to first token and inter-token
+latency p50/p99, and the mean number of sessions per target forward. With ``--rounds N`` every
+mode of a level runs N times, the modes alternated and their order rotated each round (this
+machine drifts by 10-15% within minutes, more than some differences measured): tokens/s is the
+median of the rounds, latency percentiles are over every round's samples. Writes load.json and
+load.png to --out.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -64,26 +68,43 @@ async def run_level(orch, prompts: list[str], level: int, policy: SpeculationPol
     t0 = time.perf_counter()
     await asyncio.gather(*(client(c) for c in range(level)))
     elapsed = time.perf_counter() - t0
-    return {"tokens_per_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed,
+    return {"tokens": tokens, "seconds": elapsed, "ttft_s": ttft, "itl_s": itl}
+
+
+def combine(runs: list[dict]) -> dict:
+    """One level and mode over its rounds: the median round's tokens/s, latencies over all samples."""
+    rates = [r["tokens"] / r["seconds"] for r in runs]
+    ttft = [x for r in runs for x in r["ttft_s"]]
+    itl = [x for r in runs for x in r["itl_s"]]
+    return {"tokens_per_s": statistics.median(rates), "tokens_per_s_rounds": rates,
+            "tokens": sum(r["tokens"] for r in runs), "seconds": sum(r["seconds"] for r in runs),
             "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
-            "itl_p50_ms": 1e3 * percentile(itl, 0.5), "itl_p99_ms": 1e3 * percentile(itl, 0.99)}
+            "itl_p50_ms": 1e3 * percentile(itl, 0.5), "itl_p99_ms": 1e3 * percentile(itl, 0.99),
+            "mean_batch_sessions": statistics.fmean(r["mean_batch_sessions"] for r in runs)}
 
 
 async def load_bench(orch, prompts: list[str], levels: list[int], modes: list[str], max_new: int,
-                     tokens_per_level: int, log=print) -> dict:
-    """Every level x mode; returns {"level/mode": figures}."""
+                     tokens_per_level: int, rounds: int = 1, log=print) -> dict:
+    """Every level x mode, ``rounds`` times; returns {"level/mode": figures}."""
     await run_level(orch, prompts, 2, policy_for("off"), 16, 1)  # warm-up: first-call costs out of the figures
     results = {}
     batches = orch.verifier.engine.batch_sizes
     for level in levels:
         per_client = max(1, round(tokens_per_level / (level * max_new)))
+        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for r in range(rounds):
+            turn = r % len(modes)
+            for mode in modes[turn:] + modes[:turn]:  # no mode always first or last of a round
+                batches.clear()
+                run = await run_level(orch, prompts, level, policy_for(mode), max_new, per_client)
+                run["mean_batch_sessions"] = sum(s * n for s, n in batches.items()) / max(1, sum(batches.values()))
+                runs[mode].append(run)
+                if rounds > 1:
+                    log(f"{level:>3} {mode:>8}: round {r + 1}/{rounds} {run['tokens'] / run['seconds']:7.1f} tok/s")
         for mode in modes:
-            batches.clear()
-            r = await run_level(orch, prompts, level, policy_for(mode), max_new, per_client)
-            r["mean_batch_sessions"] = sum(s * n for s, n in batches.items()) / max(1, sum(batches.values()))
-            results[f"{level}/{mode}"] = r
-            log(f"{level:>3} {mode:>8}: {r['tokens_per_s']:7.1f} tok/s  ttft p50 {r['ttft_p50_ms']:7.1f} ms  "
-                f"itl p50 {r['itl_p50_ms']:6.1f} p99 {r['itl_p99_ms']:6.1f} ms  batch {r['mean_batch_sessions']:.1f}")
+            f = results[f"{level}/{mode}"] = combine(runs[mode])
+            log(f"{level:>3} {mode:>8}: {f['tokens_per_s']:7.1f} tok/s  ttft p50 {f['ttft_p50_ms']:7.1f} ms  "
+                f"itl p50 {f['itl_p50_ms']:6.1f} p99 {f['itl_p99_ms']:6.1f} ms  batch {f['mean_batch_sessions']:.1f}")
     return results
 
 
@@ -127,7 +148,7 @@ def plot(results: dict, levels: list[int], modes: list[str], path: Path) -> bool
     return True
 
 
-def run(config, levels: list[int], modes: list[str], tokens_per_level: int, out: Path) -> int:
+def run(config, levels: list[int], modes: list[str], tokens_per_level: int, out: Path, rounds: int = 1) -> int:
     """In one process: the same engines, threads and batching as the servers."""
     from specdec import roles
     from specdec.bench_common import machine
@@ -140,11 +161,11 @@ def run(config, levels: list[int], modes: list[str], tokens_per_level: int, out:
                           OrchestratorConfig(max_new_tokens_limit=max(2048, config.max_new_tokens),
                                              max_concurrent_requests=max(levels) + 1))
     results = asyncio.run(load_bench(orch, list(config.prompts), levels, modes, config.max_new_tokens, tokens_per_level,
-                                     log=lambda line: print(line, flush=True)))
+                                     rounds, log=lambda line: print(line, flush=True)))
     summary = summarize(results, levels, modes)
     out.mkdir(parents=True, exist_ok=True)
     (out / "load.json").write_text(json.dumps({"machine": machine(), "max_new_tokens": config.max_new_tokens,
-                                               "levels": levels, "modes": modes, "results": results,
+                                               "rounds": rounds, "levels": levels, "modes": modes, "results": results,
                                                "summary": summary}, indent=2))
     for level, row in summary.items():
         ratio = f", adaptive {row['adaptive_vs_best']:.2f}x the best fixed ({row['best_fixed']})" if "adaptive_vs_best" in row else ""

@@ -140,9 +140,14 @@ def test_the_distributed_path_runs_through_its_own_specdec_up(tiny_pair, tmp_pat
 def test_concurrency_levels_run_every_mode_and_batch_sessions(tiny_pair, tmp_path, capsys):
     target, draft = tiny_pair
     code = cli.main(["bench", "--target", target, "--draft", draft, "--prompts", "3", "--max-new-tokens", "8",
-                     "--concurrency", "1,3", "--modes", "off,k1,adaptive", "--tokens-per-level", "24", "--out", str(tmp_path)])
+                     "--concurrency", "1,3", "--modes", "off,k1,adaptive", "--tokens-per-level", "24", "--rounds", "2",
+                     "--out", str(tmp_path)])
     assert code == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "load.json").read_text())
+    assert report["rounds"] == 2
+    for figures in report["results"].values():  # the median of two rounds lies between them
+        low, high = sorted(figures["tokens_per_s_rounds"])
+        assert low <= figures["tokens_per_s"] <= high
     assert set(report["results"]) == {f"{n}/{m}" for n in (1, 3) for m in ("off", "k1", "adaptive")}
     for figures in report["results"].values():
         assert figures["tokens"] > 0 and figures["tokens_per_s"] > 0 and figures["itl_p99_ms"] >= figures["itl_p50_ms"]
@@ -152,7 +157,8 @@ def test_concurrency_levels_run_every_mode_and_batch_sessions(tiny_pair, tmp_pat
     assert (tmp_path / "load.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("flags", [["--concurrency", "1,x"], ["--concurrency", "0"], ["--concurrency", "1", "--modes", "k1,fast"]])
+@pytest.mark.parametrize("flags", [["--concurrency", "1,x"], ["--concurrency", "0"], ["--concurrency", "1", "--modes", "k1,fast"],
+                                   ["--concurrency", "1", "--rounds", "0"]])
 def test_bad_concurrency_flags_are_usage_errors(tiny_pair, flags, capsys):
     target, draft = tiny_pair
     assert cli.main(["bench", "--target", target, "--draft", draft, *flags]) == 2

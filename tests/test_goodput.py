@@ -39,3 +39,23 @@ def test_without_varied_batches_the_slope_falls_back_to_a_share_of_the_step():
         model.observe(3, 0.012, committed_tokens=2)
     assert model.per_row_s == pytest.approx(0.04 * 0.012)
     assert model.goodput_tokens_per_s == pytest.approx(2 / 0.012)
+
+
+def test_what_drafts_cost_whole_cycles_is_fitted_apart_from_the_batch_size():
+    # Cycles of 16 or 20 sessions; a draft token costs 1.5 ms of cycle (a row is 0.3 ms): the drafter
+    # slowing the forward it shares cores with, and the batch waiting for blocks.
+    model = BatchCostModel()
+    assert model.draft_token_cost_s is None
+    pattern = [(16, 0), (16, 0), (20, 0), (16, 2), (20, 0), (16, 0), (20, 3), (16, 0)] * 8
+    for sessions, drafts in pattern:
+        cycle = 0.004 + 0.0003 * sessions + 0.0015 * drafts
+        model.observe(sessions + drafts, cycle - 0.002, committed_tokens=sessions, since_last_s=cycle, drafts=drafts)
+    assert model.draft_token_cost_s == pytest.approx(0.0015, rel=1e-3)
+
+
+def test_the_draft_cost_stays_unknown_while_drafts_move_with_the_batch_size():
+    model = BatchCostModel()
+    for sessions in (4, 8, 12, 16) * 10:  # every session always drafts 2: drafts = 2 x sessions
+        cycle = 0.004 + 0.001 * sessions
+        model.observe(3 * sessions, cycle - 0.002, committed_tokens=sessions, since_last_s=cycle, drafts=2 * sessions)
+    assert model.draft_token_cost_s is None

@@ -146,3 +146,51 @@ def test_a_resumed_policy_goes_on_from_the_k_reached():
     assert adaptive.resumed_at(None) == adaptive  # no step yet
     fixed = SpeculationPolicy(SpeculationMode.FIXED, num_speculative_tokens=3)
     assert fixed.resumed_at(5) == fixed
+
+
+# ----------------------------------------------------------------------------- overlap chosen by measurement
+def simulate(c: SpeculationController, steps: int, verify_s: float, contention: float, draft_per_token_s: float,
+             hit_rate_every: int = 2) -> list[bool]:
+    """A session's steps on a simulated machine, with the controller telling the drafter each outcome.
+
+    Under overlap the drafter drafts the next block during each verification, which makes that
+    verification ``contention`` times slower (shared cores) and makes every ``hit_rate_every``-th
+    block ready at once; sequentially every block is drafted after the outcome (a wait of k drafts).
+    Returns the mode of each step's outcome."""
+    modes = []
+    sent = [c.next_overlap()]  # the session's first block request
+    for step in range(steps):
+        k = c.next_k()
+        drafting_now = sent[-1]  # the drafter drafts ahead during this verification
+        ahead = len(sent) > 1 and sent[-2]  # this step's block was drafted during the previous one
+        hit = ahead and k > 0 and step % hit_rate_every == 0
+        v = verify_s * (1 + 0.04 * k) * (contention if drafting_now and k > 0 else 1.0)
+        w = 0.0 if hit or k == 0 else k * draft_per_token_s + 0.0003
+        c.observe(k, min(k, 2), StepTiming(verify_s=v, wait_s=w, step_s=v + w + 0.0005, draft_s=k * draft_per_token_s,
+                                           predrafted=hit))
+        sent.append(c.next_overlap())
+        modes.append(sent[-1])
+    return modes
+
+
+def test_where_drafting_ahead_slows_verification_the_request_goes_sequential():
+    c = adaptive()
+    modes = simulate(c, 300, verify_s=0.007, contention=1.7, draft_per_token_s=0.0015)
+    assert sum(modes[-200:]) < 0.15 * 200, "most late steps should not draft ahead"
+    assert any(modes[-200:]), "the other mode is still measured now and then"
+    assert c.next_k() > 0
+
+
+def test_where_drafting_ahead_is_free_the_request_overlaps():
+    c = adaptive()
+    modes = simulate(c, 300, verify_s=0.007, contention=1.0, draft_per_token_s=0.0015)
+    assert sum(modes[-200:]) > 0.85 * 200
+
+
+@pytest.mark.parametrize("policy", [SpeculationPolicy(SpeculationMode.ADAPTIVE, 4, 8, overlap=False),
+                                    SpeculationPolicy(SpeculationMode.FIXED, 3),
+                                    SpeculationPolicy(SpeculationMode.FIXED, 3, overlap=False)], ids=["no-overlap", "fixed", "fixed-seq"])
+def test_a_request_that_sets_overlap_keeps_it(policy):
+    c = SpeculationController(policy)
+    modes = simulate(c, 200, verify_s=0.007, contention=1.7, draft_per_token_s=0.0015)
+    assert set(modes) == {policy.overlap}

@@ -365,7 +365,8 @@ class AsyncVerifierEngine:
             since = None if self._last_batch_end is None else ended - self._last_batch_end
             self._last_batch_end = ended
             self.batch_costs.observe(sum(len(p.token_ids) + 1 for _, p, _ in batch), ended - started,
-                                     sum(len(r.token_ids) for r in results if isinstance(r, VerifyOutcome)), since)
+                                     sum(len(r.token_ids) for r in results if isinstance(r, VerifyOutcome)), since,
+                                     drafts=sum(len(p.token_ids) for _, p, _ in batch))
             for (_, _, done), result in zip(batch, results):
                 if not done.done():
                     done.set_exception(result) if isinstance(result, BaseException) else done.set_result(result)

@@ -120,6 +120,9 @@ class VerifierLoop:
         mine = self.controller.costs
         # Drafting costs the batch what it adds to this session's steps: the blocks it waited for.
         per_token = costs.per_row_s + mine.miss.get(1.0) * mine.draft_per_token.get(costs.draft_per_token_s)
+        fitted = costs.draft_token_cost_s  # what drafts were seen to cost the batch's cycles, all effects in
+        if fitted is not None:
+            per_token = max(per_token, fitted)
         return min(k, load_cap(self.controller.alpha, per_token, costs.goodput_tokens_per_s, policy.max_speculative_tokens))
 
     def _cap(self, k: int) -> int:
@@ -131,7 +134,7 @@ class VerifierLoop:
 
     def _tell_drafter(self, token_ids: tuple[int, ...]) -> None:
         if self.link is not None and self.link.up:
-            self.link.send(StepOutcome(len(self.state.committed), token_ids, self.state.k, self.run.policy.overlap))
+            self.link.send(StepOutcome(len(self.state.committed), token_ids, self.state.k, self.controller.next_overlap()))
 
     async def _take_block(self):
         s = self.state
@@ -247,6 +250,6 @@ class VerifierLoop:
             chunk = tuple(committed[known : known + MAX_STEP_TOKENS])
             known += len(chunk)
             sent_k = known == len(committed)
-            link.send(StepOutcome(known, chunk, self.state.k if sent_k else 0, self.run.policy.overlap))
+            link.send(StepOutcome(known, chunk, self.state.k if sent_k else 0, self.controller.overlap))
         if not sent_k:
-            link.send(StepOutcome(known, (), self.state.k, self.run.policy.overlap))
+            link.send(StepOutcome(known, (), self.state.k, self.controller.overlap))
