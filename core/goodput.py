@@ -89,10 +89,10 @@ class BatchCostModel:
 
 
 class _CycleFit:
-    """Exponentially weighted least squares of y = a + b * sessions + c * drafts; slow (rate 0.02),
+    """Exponentially weighted least squares of y = a + b * sessions + c * drafts; slow (rate 0.01),
     because most batches under load hold no drafts at all."""
 
-    def __init__(self, rate: float = 0.02) -> None:
+    def __init__(self, rate: float = 0.01) -> None:
         self._keep = 1.0 - rate
         self._sums = [0.0] * 9  # n, s, d, y, ss, sd, dd, sy, dy
 

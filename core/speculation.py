@@ -117,6 +117,7 @@ class StepCostModel:
         return t
 
 
+IDLE_RELAX = 0.05  # per step without drafts: the share of the way back to the prior alpha
 EXPLORE_AFTER = 16  # steps in the starting mode before the other one is first measured
 EXPLORE_EVERY = 96  # steps in the chosen mode between two measurements of the other
 EXPLORE_STEPS = 12  # steps a measurement runs, besides the two that straddle each switch
@@ -141,6 +142,7 @@ class SpeculationController:
         self.policy = policy
         self._accepted = prior_accepted  # Beta(a, b) pseudo-counts, forgotten geometrically
         self._rejected = prior_rejected
+        self._prior = (prior_accepted, prior_rejected)
         self._decay = decay
         self._k = policy.num_speculative_tokens
         self._overlap = policy.overlap
@@ -186,8 +188,12 @@ class SpeculationController:
             self._accepted = self._decay * self._accepted + num_accepted
             self._rejected = self._decay * self._rejected + rejected
         else:
-            # Nothing drafted (k = 0 or an empty n-gram lookup): drift back towards speculating.
-            self._accepted += 0.5
+            # Nothing drafted (k = 0 or an empty n-gram lookup): no evidence, so the estimate relaxes
+            # towards the prior, slowly; a request that stopped drafting tries again in time. (Not
+            # towards 1: under load that made every idle session burst into k = 8 now and then.)
+            a0, b0 = self._prior
+            self._accepted += IDLE_RELAX * (a0 - self._accepted)
+            self._rejected += IDLE_RELAX * (b0 - self._rejected)
         if len(self._models) == 2:
             self._choose_mode()
         self._k = self._best_k(self.costs)[0]

@@ -194,3 +194,16 @@ def test_a_request_that_sets_overlap_keeps_it(policy):
     c = SpeculationController(policy)
     modes = simulate(c, 200, verify_s=0.007, contention=1.7, draft_per_token_s=0.0015)
     assert set(modes) == {policy.overlap}
+
+
+def test_steps_without_drafts_relax_alpha_to_the_prior_not_past_it():
+    high, low = adaptive(), adaptive()
+    for _ in range(20):
+        high.observe(4, 4)  # every draft accepted
+        low.observe(4, 0)  # none
+    assert high.alpha > 0.9 and low.alpha < 0.2
+    for _ in range(200):
+        high.observe(0, 0)
+        low.observe(0, 0)
+    prior = adaptive().alpha
+    assert high.alpha == pytest.approx(prior, abs=0.02) and low.alpha == pytest.approx(prior, abs=0.02)
