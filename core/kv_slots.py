@@ -13,7 +13,10 @@ slots reads, for every slot in it, positions up to the longest member's length, 
 were never written may hold any bits (NaN included, which would poison the softmax even where
 masked). So each slot keeps ``finite``: positions ``[0, finite)`` hold written or zeroed values, and
 before a batched read the decoder zeroes each slot's gap up to the read's length (`fill_to`). Each
-position of a slot is zeroed at most once in the slot's life.
+position of a slot is zeroed at most once in the slot's life. A slot keeps its pages when its
+sequence ends (the next sequence in it reuses them), so the memory held is the peak of what the live
+sessions reached. Measured on the demo target: 64 slots acquired +0 MiB (768 MiB of address space);
+64 sessions of 150 positions +248 MiB, against 225 MiB of keys and values (page rounding).
 
 Slots are handed out lowest first, so the live sequences stay packed in the first slabs and a
 batch's view wastes few rows. A slot is released when its cache is garbage (a finalizer) or freed
