@@ -71,7 +71,8 @@ class SlotPool:
         self.slabs: list[torch.Tensor] = []  # each [slab_slots, layers, 2, kv_heads, context, head_dim]
         self.finite: list[list[int]] = []  # per slab, per slot: positions [0, finite) hold finite values
         self._free: list[tuple[int, int]] = []  # (slab, slot), kept sorted: lowest first
-        self._lock = threading.Lock()
+        # Reentrant: a garbage collection inside acquire() may run a finalizer, i.e. release(), on this thread.
+        self._lock = threading.RLock()
 
     def acquire(self) -> DecodeCache:
         with self._lock:

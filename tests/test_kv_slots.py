@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
 
 import pytest
 import torch
@@ -96,3 +97,17 @@ def test_only_what_a_read_reaches_is_made_finite(decoder):
     decoder.forward_batch([short, long_], [[4], [5]], [3, 40], [1, 1])
     assert pool.finite[0][:2] == [41, 41]  # the short one's gap up to the longest read, and no further
     assert pool.finite[0][2:] == [0, 0]  # slots outside the batch's range are untouched
+
+
+def test_a_slot_freed_by_a_garbage_collection_inside_acquire_does_not_deadlock(decoder):
+    pool = decoder.pool
+    caches = [decoder.new_cache() for _ in range(pool.slab_slots)]  # the first slab full
+    cyclic = caches.pop()
+    cyclic.itself = cyclic  # garbage that only a collection frees, and then on whatever thread runs it
+    del cyclic
+    grow = pool._add_slab
+    pool._add_slab = lambda: (gc.collect(), grow())  # the collection happens inside acquire()
+    done = threading.Event()
+    threading.Thread(target=lambda: (decoder.new_cache(), done.set()), daemon=True).start()
+    assert done.wait(10), "acquire() deadlocked on its own lock"
+    del caches
