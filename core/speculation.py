@@ -117,7 +117,7 @@ class StepCostModel:
         return t
 
 
-IDLE_RELAX = 0.05  # per step without drafts: the share of the way back to the prior alpha
+IDLE_RELAX = 0.2  # per step without drafts: the share of the way back to the prior alpha
 EXPLORE_AFTER = 16  # steps in the starting mode before the other one is first measured
 EXPLORE_EVERY = 96  # steps in the chosen mode between two measurements of the other
 EXPLORE_STEPS = 12  # steps a measurement runs, besides the two that straddle each switch
