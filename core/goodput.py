@@ -12,8 +12,9 @@ A draft token can cost the batch more than its row: where the drafter shares cor
 verifier (this machine), drafting slows the forward it overlaps, and a session that waits for its
 block holds the whole batch back. So the cost of a draft token is also fitted as it is seen, over
 whole cycles (forward and the gap before it): cycle seconds = a + b * sessions + c * drafts, and c
-is used when it is known and larger than the row-and-drafting estimate (measured here at 16 sessions:
-0.3 draft tokens per batch made the forward 15% slower, 22.8 against 19.9 ms).
+is used when it is known and larger than the row-and-drafting estimate
+(benchmarks/bench_contention.py measures the first effect: a verification 1.27x as long while
+another process drafts).
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 class KVSequence:
     """One sequence's KV cache and the token ids it covers, through a model runner (core/runner.py).
 
-    With a ``LlamaDecoder`` (specdec.core.llama_decode) the cache is its own growing buffer and a
+    With a ``LlamaDecoder`` (specdec.core.llama_decode) the cache is a slot of its pool (core/kv_slots.py) and a
     crop is just a shorter valid length; otherwise it is the model's own HF ``DynamicCache``.
     """
 

@@ -10,7 +10,8 @@ forward instead:
 - oneDNN-packed weights where PyTorch has them. MKL's small-M GEMM is slow on this CPU kind
   (a 384x2048 linear: 0.08 ms for 1 row, 0.19 ms for 5); oneDNN with a prepacked weight runs 5 rows
   in about the time of one, which is what makes verifying k drafts cost little more than one step;
-- a KV buffer per sequence that grows by doubling, and logits only for the rows asked for
+- every sequence's KV in a slot of a shared slab (core/kv_slots.py), so a batch attends slab by
+  slab, and logits only for the rows asked for
   (a prefill needs one row, not 500).
 
 Logits match the HF forward to ~1e-5 (summation order differs); the tests hold it to that. Both the

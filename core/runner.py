@@ -41,7 +41,7 @@ class ModelRunner(Protocol):
 
 
 class LeanRunner:
-    """specdec.core.llama_decode: one forward for the whole batch; a cache is a growing buffer."""
+    """specdec.core.llama_decode: one forward for the whole batch; a cache is a slot of the decoder's pool."""
 
     def __init__(self, decoder) -> None:
         self.decoder = decoder
@@ -53,7 +53,7 @@ class LeanRunner:
         pass  # a DecodeCache has no length of its own: positions past `start` are overwritten by the next feed
 
     def free(self, cache) -> None:
-        pass  # the buffer goes with its last reference
+        cache.free()  # the slot goes back to the pool now (else when the cache is garbage)
 
     def forward(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
         if len(feeds) == 1:  # the sequence path: no flattening to do

@@ -128,9 +128,10 @@ class SpeculationController:
     drafter a step's outcome, and ``observe()`` after each step.
 
     Adaptive requests that allow overlap also choose, by measurement, whether the drafter drafts
-    ahead: on a machine where drafter and verifier share cores (this one: 2 vCPUs that behave like
-    one core's two hyperthreads), drafting during a verification slows that verification by about
-    as much as a pre-drafted block saves, so sequential steps can be the faster ones; across
+    ahead: on a machine where drafter and verifier share cores, drafting during a verification
+    slows that verification (here 1.27x beside a drafting process, 1.65x beside a drafting thread:
+    benchmarks/bench_contention.py) by about as much as a pre-drafted block saves, so sequential
+    steps can be the faster ones; across
     machines, overlap wins. The request keeps a cost model per mode, runs in the better one, and
     every ``EXPLORE_EVERY`` steps spends ``EXPLORE_STEPS`` in the other to keep its figures fresh.
     A step's timing belongs to the mode of the two outcomes before it (the last one decides what the
