@@ -46,7 +46,7 @@ class BenchConfig:
     redis_url: str = ""  # sessions of the distributed orchestrator; "": in its memory
     out: Path = Path("bench-results")
     prompt_source: str = ""
-    threads: int = 1  # torch threads per model, as `specdec generate` and `specdec up` run them
+    threads: int | None = 1  # torch threads per model; None: in-process methods choose per forward, as `specdec generate` does
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-distributed", action="store_true", help="no `specdec up`: in-process methods only")
     p.add_argument("--redis-url", default=os.environ.get("SPECDEC_REDIS_URL", "redis://127.0.0.1:6379/0"),
                    help="session store of the distributed orchestrator ('' keeps sessions in its memory)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per model, in every method (default 1)")
+    p.add_argument("--threads", default="1", help="torch threads per model, in every method (default 1); 'auto': one "
+                   "process measures 1..cores per forward as `specdec generate` does (the HF baseline gets every core, "
+                   "`specdec up`'s processes 1 each)")
     p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png (default ./bench-results)")
     p.add_argument("--concurrency", help="instead: a load benchmark in one process at these levels, e.g. 1,4,16,64 "
                                          "(load.json, load.png)")
@@ -190,13 +192,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--k takes comma-separated integers, got {args.k!r}") from None
     if not ks or min(ks) < 1:
         raise UsageError(f"--k takes speculation lengths >= 1, got {args.k!r}")
+    threads = None if args.threads == "auto" else int(args.threads) if args.threads.isdigit() and int(args.threads) >= 1 else 0
+    if threads == 0:
+        raise UsageError(f"--threads takes a count >= 1 or 'auto', got {args.threads!r}")
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise UsageError("--prompts and --max-new-tokens must be >= 1")
     target = model_path(args.target, ENV_TARGET, "target")
     prompts, source = bench_prompts(args.prompts, target, args.prompts_file)
     config = BenchConfig(target, model_path(args.draft, ENV_DRAFT, "draft"), tuple(prompts), args.max_new_tokens, ks,
                          tuple(p.strip() for p in args.methods.split(",") if p.strip()), not args.skip_distributed,
-                         args.redis_url, Path(args.out), source, args.threads)
+                         args.redis_url, Path(args.out), source, threads)
     # Ctrl-C raises KeyboardInterrupt; make SIGTERM unwind the same way so `specdec up` is stopped.
     if args.concurrency:
         from specdec import bench_load

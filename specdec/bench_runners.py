@@ -48,7 +48,10 @@ class Runners:
         from specdec.target.engine import TargetConfig
 
         self.n = config.max_new_tokens
-        torch.set_num_threads(config.threads)  # the baseline too
+        from specdec.roles import available_cores
+
+        self.hf_threads = config.threads or available_cores()  # the baseline too; auto: every core
+        self.threads = config.threads or 1
         self.tokenizer = AutoTokenizer.from_pretrained(config.target, local_files_only=True)
         self.hf = AutoModelForCausalLM.from_pretrained(config.target, local_files_only=True, dtype=torch.float32).eval()
         self.orch = None
@@ -98,8 +101,12 @@ class Runners:
         import torch
 
         ids = torch.tensor([self.tokenizer(prompt)["input_ids"]])
-        with torch.inference_mode():
-            out = self.hf.generate(ids, max_new_tokens=self.n, do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
+        torch.set_num_threads(self.hf_threads)  # this thread's count: the in-process model thread keeps its own
+        try:
+            with torch.inference_mode():
+                out = self.hf.generate(ids, max_new_tokens=self.n, do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
+        finally:
+            torch.set_num_threads(self.threads)  # back to what the event loop's thread runs with (roles.embedded)
         return tuple(out[0, ids.shape[1]:].tolist())
 
     async def _inproc(self, prompt: str, pol: SpeculationPolicy) -> tuple[tuple[int, ...], SpecCounters]:
@@ -143,7 +150,7 @@ class Deployment:
         with open(log, "wb") as f:
             proc = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--target", config.target, "--draft", config.draft,
                                      "--base-port", str(base), "--redis-url", config.redis_url,
-                                     "--threads", str(config.threads)],
+                                     "--threads", str(config.threads or 1)],
                                     stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         return cls(proc, f"127.0.0.1:{base}", log)
 

@@ -46,7 +46,8 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
     if draft:
         p.add_argument("--draft", help=f"draft model folder (default: ${ENV_DRAFT} or the demo pair)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per model (default: 1 for generate and up, torch's own for serve)")
+                   help="torch threads per model (default: generate measures 1..cores per forward and uses the faster; "
+                        "up: 1; serve: torch's own)")
     p.add_argument("--reference-forward", action="store_true",
                    help="run models through the HF forward instead of specdec's lean decode path (slower; for checking)")
     if draft:
@@ -229,9 +230,10 @@ async def _generate_embedded(args) -> int:
     draft = model_path(args.draft, ENV_DRAFT, "draft") if args.drafter == "model" else (args.draft or os.environ.get(ENV_DRAFT))
     request = request_from_args(args)
     fast = not args.reference_forward
-    # Drafter and verifier run on a thread each: one torch thread apiece fills two cores, and keeps
-    # this process fast when another one is busy (two threads each collapsed 6-8x there).
-    threads = args.threads or 1
+    # Drafter and verifier take turns on one model thread; unless --threads fixes it, each forward's
+    # torch thread count is chosen by measuring (all cores are ~1.5x faster on an idle 2-core
+    # machine, and 4-5x slower than one thread while another process keeps a core busy).
+    threads = args.threads
     orch = roles.embedded(TargetConfig(target, threads=threads, fast_forward=fast),
                           DraftConfig(draft, target, threads=threads, fast_draft_forward=fast, draft_dtype=args.draft_dtype),
                           OrchestratorConfig(default_drafter=args.drafter))

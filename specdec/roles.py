@@ -1,16 +1,21 @@
 """Composition root: wire engines, servicers, stores and the loop into runnable roles.
 
 Each role can run as its own gRPC server (``specdec serve ...``), or all roles in one process with
-direct calls and the in-memory store (``specdec generate``): the same engines, threads and loop.
+direct calls and the in-memory store (``specdec generate``): the same engines and loop; in one
+process the verifier's model work runs on the drafter's thread (``DraftEngine.submit``), so the two
+models take turns with every core rather than split the cores between them.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specdec.core.sessions import InMemorySessionStore, SessionStore
+from specdec.core.threads import ThreadChooser
 from specdec.draft.drafters import DraftConfig
 from specdec.draft.engine import DraftEngine
 from specdec.orchestrator.loop import Orchestrator, TargetInfo
@@ -38,18 +43,39 @@ def make_store(redis_url: str | None, ttl_s: float) -> SessionStore:
 
 def embedded(target: TargetConfig, draft: DraftConfig, config: OrchestratorConfig, store: SessionStore | None = None,
              loop_config: LoopConfig = LoopConfig()) -> Orchestrator:
-    """All roles in this process: the same engines, threads and loop as the servers, no sockets."""
-    return embedded_engines(VerifierEngine.from_config(target), DraftEngine.from_config(draft), config, store, loop_config)
+    """All roles in this process: the same engines and loop as the servers, no sockets.
+
+    ``target.threads`` None: every forward's torch thread count is chosen by measuring (one thread
+    up to this process's cores, core/threads.py); a number fixes it."""
+    threads = None
+    if target.threads is None:
+        threads = ThreadChooser(range(1, available_cores() + 1))
+        # Every other thread (the event loop's, say) keeps one torch thread: a second OpenMP team
+        # spinning beside the model thread's costs it more than the extra threads give.
+        target, draft = dataclasses.replace(target, threads=1), dataclasses.replace(draft, threads=1)
+    # One model thread for both: its niceness would slow the verifier's work too.
+    drafter = DraftEngine.from_config(dataclasses.replace(draft, thread_nice=0))
+    return embedded_engines(VerifierEngine.from_config(target), drafter, config, store, loop_config, threads)
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def embedded_engines(verifier: VerifierEngine, drafter: DraftEngine, config: OrchestratorConfig,
-                     store: SessionStore | None = None, loop_config: LoopConfig = LoopConfig()) -> Orchestrator:
-    """An orchestrator over engines already loaded, in this process."""
+                     store: SessionStore | None = None, loop_config: LoopConfig = LoopConfig(),
+                     threads: ThreadChooser | None = None) -> Orchestrator:
+    """An orchestrator over engines already loaded, in this process; the verifier's model work runs
+    on the drafter's thread. ``threads``: choose forwards' thread counts by measurement."""
     from specdec.draft.link import LocalDraftLink
 
     loaded = verifier.loaded
     info = TargetInfo(loaded.tokenizer, loaded.vocab_size, loaded.context_length, loaded.eos_token_id, tuple(drafter.drafters))
-    local = LocalVerifier(AsyncVerifierEngine(verifier), lambda run: LocalDraftLink(drafter), loop_config)
+    engine = AsyncVerifierEngine(verifier, executor=drafter, threads=threads)
+    local = LocalVerifier(engine, lambda run: LocalDraftLink(drafter), loop_config)
     return Orchestrator(info, local, store or InMemorySessionStore(config.session_ttl_s), config)
 
 

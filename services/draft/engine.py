@@ -1,7 +1,8 @@
 """The draft worker's core: sessions, and the one thread that runs all of their model work. No gRPC here.
 
 A session is driven by outcomes (``outcome``) and answers with blocks through the ``emit`` callback
-it was opened with (called on the draft thread). The thread serves, in this order: session opens
+it was opened with (called on the draft thread). The thread serves, in this order: calls submitted
+to it (``submit``: in one process, the verifier's model work shares this thread), session opens
 (prefill), blocks some verifier is waiting for (just in time), then pre-drafts, one session after
 another, so no session starves and a waiting verifier never queues behind speculative work. One
 thread serialises model calls, which is what one set of small weights on a couple of cores wants.
@@ -43,6 +44,7 @@ class DraftEngine:
         self.sessions: SessionTable[SessionSpeculator] = SessionTable(config.max_sessions, config.idle_timeout_s)
         self._lock = threading.Condition()
         self._opens: collections.deque[tuple[SessionSpec, Emit, Future]] = collections.deque()
+        self._calls: collections.deque[tuple[Callable[[], object], Future]] = collections.deque()
         self._opening: set[str] = set()  # queued or prefilling; closing one of these abandons it
         self._turn = 0  # round-robin position over sessions for pre-drafts
         # Set when a verifier starts waiting for a just-in-time block: a pre-draft in progress stops
@@ -76,6 +78,21 @@ class DraftEngine:
         with self._lock:
             self._opening.add(spec.session_id)
             self._opens.append((spec, emit, done))
+            self._lock.notify()
+        return done
+
+    def submit(self, fn: Callable[..., object], *args) -> Future:
+        """Run ``fn(*args)`` on the draft thread ahead of any drafting (an Executor's ``submit``).
+
+        In one process the verifier runs its model work here (specdec.roles.embedded): draft and
+        verify forwards then take turns on one thread, each with every core, instead of two
+        threads sharing the cores, which measured slower on 2 cores (benchmarks/bench_threads.py).
+        A pre-draft in progress stops at its next token for it."""
+        done: Future = Future()
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the draft engine is shut down")
+            self._calls.append((functools.partial(fn, *args), done))
             self._lock.notify()
         return done
 
@@ -127,6 +144,9 @@ class DraftEngine:
                     self._lock.wait(timeout=1.0)
                     job = self._next_job()
                 if self._stopped:
+                    calls, self._calls = list(self._calls), collections.deque()
+                    for _, done in calls:
+                        done.cancel()
                     return
             try:
                 if self.metrics is None:
@@ -139,6 +159,9 @@ class DraftEngine:
 
     def _next_job(self) -> Callable[[], None] | None:
         """Under the lock: the most urgent piece of work, as a callable to run outside it."""
+        if self._calls:
+            fn, done = self._calls.popleft()
+            return lambda: _run_call(fn, done)
         if self._opens:
             spec, emit, done = self._opens.popleft()
             return lambda: self._open_now(spec, emit, done)
@@ -218,7 +241,7 @@ class DraftEngine:
         ahead = work.predrafts[0] is not JUST_IN_TIME
 
         def interrupt() -> bool:  # a pre-draft yields to a verifier that is waiting now
-            return speculator.is_stale(work) or (ahead and self._jit_pending)
+            return speculator.is_stale(work) or (ahead and (self._jit_pending or bool(self._calls)))
 
         proposals = None
         if len(work.sequences) > 1:
@@ -230,3 +253,12 @@ class DraftEngine:
         with self._lock:
             if self.sessions.peek(session_id) is speculator:  # not closed while it drafted
                 speculator.finish(work, proposals)
+
+
+def _run_call(fn: Callable[[], object], done: Future) -> None:
+    if not done.set_running_or_notify_cancel():
+        return
+    try:
+        done.set_result(fn())
+    except BaseException as exc:  # the caller hears it, as from an executor
+        done.set_exception(exc)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -25,9 +25,13 @@ from specdec.core.sampling import SamplingParams, probs_from_logits
 from specdec.core.session_table import SessionTable
 from specdec.core.sessions import check_session_id
 from specdec.core.steps import DraftProposal, SessionSpec, VerifyOutcome, WorkerInfo, check_room, dense_draft_probs, validate_prompt
+from specdec.core.threads import ThreadChooser
 
 if TYPE_CHECKING:
+    from specdec.core.offload import Submits
     from specdec.metrics import VerifierMetrics
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -266,13 +270,16 @@ class AsyncVerifierEngine:
     """
 
     def __init__(self, engine: VerifierEngine, threaded: bool = True, metrics: "VerifierMetrics | None" = None,
-                 kv_store=None) -> None:
-        """``kv_store``: a core.redis_kv.RedisKVStore for the sessions' KV blocks (None: not kept)."""
+                 kv_store=None, executor: "Submits | None" = None, threads: ThreadChooser | None = None) -> None:
+        """``kv_store``: a core.redis_kv.RedisKVStore for the sessions' KV blocks (None: not kept).
+        ``executor``: where the model work runs (None: a thread of its own). ``threads``: choose each
+        forward's torch thread count by measurement (core/threads.py; None: leave it as loaded)."""
         from specdec.core.offload import Offload
 
         self.engine = engine
         self.kv_store = kv_store
-        self._run = Offload("verify", threaded)
+        self._run = Offload("verify", threaded, executor)
+        self.threads = threads
         self._waiting: collections.deque[tuple[str, DraftProposal, asyncio.Future]] = collections.deque()
         self._batcher: asyncio.Task | None = None
         self._arrived = asyncio.Event()
@@ -295,7 +302,7 @@ class AsyncVerifierEngine:
         closing_wait = loop.time() + 2.0
         while True:
             try:
-                return await self._run(self.engine.open, spec, max_new_tokens, stored)
+                return await self._run(self._timed, len(spec.prompt_ids), self.engine.open, spec, max_new_tokens, stored)
             except SessionAlreadyOpen:
                 # A session resumed here while its earlier stream is still being torn down (its
                 # orchestrator died a moment ago): that one closes within moments; then this opens.
@@ -353,7 +360,8 @@ class AsyncVerifierEngine:
             self.batch_sizes[len(batch)] += 1
             started = time.perf_counter()
             try:
-                results = await self._run(self._verify_batch, [(sid, proposal) for sid, proposal, _ in batch])
+                results = await self._run(self._timed, sum(len(p.token_ids) + 1 for _, p, _ in batch), self._verify_batch,
+                                          [(sid, proposal) for sid, proposal, _ in batch])
             except BaseException as exc:  # a bug in the forward, or shutdown: every step of the batch hears it
                 for _, _, done in batch:
                     if not done.done():
@@ -370,6 +378,17 @@ class AsyncVerifierEngine:
             for (_, _, done), result in zip(batch, results):
                 if not done.done():
                     done.set_exception(result) if isinstance(result, BaseException) else done.set_result(result)
+
+    def _timed(self, rows: int, fn: Callable[..., R], *args) -> R:
+        """On the model thread: ``fn(*args)`` with the thread count chosen for ``rows`` rows, timed for the chooser."""
+        if self.threads is None:
+            return fn(*args)
+        count = self.threads.choose(rows)
+        torch.set_num_threads(count)
+        started = time.perf_counter()
+        result = fn(*args)
+        self.threads.observe(rows, count, time.perf_counter() - started)
+        return result
 
     def _verify_batch(self, steps: list[tuple[str, DraftProposal]]) -> list[VerifyOutcome | SpecdecError]:
         if self.metrics is None:

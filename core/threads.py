@@ -1,0 +1,68 @@
+"""How many torch threads a model call should use, chosen by measuring both ways.
+
+On 2 cores a target forward is bound by reading weights and keys/values, and two threads read
+about 1.5x as fast as one (benchmarks/bench_threads.py): while nothing else wants the second core.
+With another busy process on it, OpenMP's barrier waits for a thread that is not running and the
+same forward takes 4-5x as long as with one thread (../shared/FINDINGS.md: 20-100x for llama.cpp).
+Neither is known in advance and both change while a server runs, so the count is chosen as a
+speculation length is: by the measured time of the calls themselves.
+
+Calls are compared only with calls of about the same size (rows, in powers of two): each count's
+seconds per call is an exponentially weighted mean per size, the faster count is used, and every
+``explore_every`` calls of a size the other count runs once, so a change of the machine's load is
+seen within a few dozen calls. Pure: the caller sets the count and times the call.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class ThreadChooser:
+    def __init__(self, counts: Sequence[int], explore_every: int = 32, rate: float = 0.25, first_samples: int = 3) -> None:
+        if not counts or min(counts) < 1:
+            raise ValueError(f"thread counts must be >= 1, got {tuple(counts)}")
+        self.counts = tuple(sorted(set(counts)))
+        self._explore_every = explore_every
+        self._first = first_samples  # calls each count gets before any comparison (one call is noisy)
+        self._seen: dict[tuple[int, int], int] = {}  # (size, count) -> calls observed
+        self._rate = rate
+        self._mean: dict[tuple[int, int], float] = {}  # (size, count) -> seconds per call
+        self._calls: dict[int, int] = {}  # size -> calls so far
+
+    @staticmethod
+    def size_of(rows: int) -> int:
+        return max(1, rows).bit_length()  # 1 | 2-3 | 4-7 | 8-15 | ...
+
+    def choose(self, rows: int) -> int:
+        """The count for a call of ``rows`` rows: each count's first few calls first, then the
+        faster, with a periodic try of each slower one."""
+        size = self.size_of(rows)
+        n = self._calls.get(size, 0)
+        self._calls[size] = n + 1
+        untried = [c for c in self.counts if self._seen.get((size, c), 0) < self._first]
+        if untried:
+            return untried[0]
+        best = self.best(rows)
+        if len(self.counts) > 1 and n % self._explore_every == self._explore_every - 1:
+            others = [c for c in self.counts if c != best]
+            return others[(n // self._explore_every) % len(others)]
+        return best
+
+    def best(self, rows: int) -> int:
+        """The count measured fastest for calls of this size (the fewest threads until measured)."""
+        size = self.size_of(rows)
+        seen = [(self._mean[(size, c)], c) for c in self.counts if (size, c) in self._mean]
+        return min(seen)[1] if seen else self.counts[0]
+
+    def observe(self, rows: int, count: int, seconds: float) -> None:
+        key = (self.size_of(rows), count)
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        rate = max(self._rate, 1.0 / seen)  # a plain mean over the first calls, then weighted to the recent
+        if count != self.best(rows):
+            rate = max(rate, 0.5)  # a count tried once per period: its samples are few, so each counts for more
+        old = self._mean.get(key, seconds)
+        self._mean[key] = (1 - rate) * old + rate * seconds
+
+    def seconds(self, rows: int, count: int) -> float | None:
+        """The measured mean for calls of this size at this count (None: not yet tried)."""
+        return self._mean.get((self.size_of(rows), count))

@@ -1,0 +1,135 @@
+"""Torch thread counts chosen by measurement (core/threads.py), and one model thread for both
+engines in one process (DraftEngine.submit, roles.embedded)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from specdec.core.sampling import SamplingParams
+from specdec.core.threads import ThreadChooser
+from specdec.draft.drafters import DraftConfig
+from specdec.draft.engine import DraftEngine
+from specdec.draft.ngram import NgramDrafter
+
+
+def drive(chooser: ThreadChooser, rows: int, seconds_at, calls: int) -> list[int]:
+    """``calls`` calls of ``rows`` rows whose time is ``seconds_at(count)``; the counts used."""
+    used = []
+    for _ in range(calls):
+        count = chooser.choose(rows)
+        chooser.observe(rows, count, seconds_at(count))
+        used.append(count)
+    return used
+
+
+def test_the_faster_count_is_used_and_the_slower_one_tried_now_and_then():
+    chooser = ThreadChooser((1, 2), explore_every=32)
+    used = drive(chooser, 1, {1: 0.008, 2: 0.0055}.get, 320)
+    settled = used[6:]  # after three calls of each
+    assert settled.count(2) / len(settled) > 0.95
+    assert 1 in settled  # still measured, so a change would be seen
+    assert chooser.best(1) == 2
+
+
+def test_a_busy_neighbour_turns_two_threads_off_and_a_quiet_one_back_on():
+    chooser = ThreadChooser((1, 2), explore_every=16)
+    drive(chooser, 1, {1: 0.008, 2: 0.0055}.get, 100)
+    assert chooser.best(1) == 2
+    busy = drive(chooser, 1, {1: 0.008, 2: 0.036}.get, 64)  # another process took the second core
+    assert chooser.best(1) == 1
+    assert busy[-32:].count(1) >= 30
+    drive(chooser, 1, {1: 0.008, 2: 0.0055}.get, 64)  # it went away
+    assert chooser.best(1) == 2
+
+
+def test_calls_of_different_sizes_are_compared_only_with_their_own_size():
+    chooser = ThreadChooser((1, 2))
+    drive(chooser, 1, {1: 0.005, 2: 0.007}.get, 50)  # small calls: one thread wins
+    drive(chooser, 64, {1: 0.060, 2: 0.040}.get, 50)  # large ones: two
+    assert chooser.best(1) == 1 and chooser.best(2) == 1  # rows 1 and 2-3 are different sizes; 2 untried -> fewest
+    assert chooser.best(64) == 2 and chooser.best(100) == 2  # 64..127 share a size
+
+
+def test_one_noisy_first_call_does_not_decide():
+    chooser = ThreadChooser((1, 2), first_samples=3)
+    times = iter([0.020, 0.008, 0.008] + [0.0055] * 3 + [0.0055] * 20)  # two threads' first call was cold
+
+    def at(count):
+        return next(times) if count in (1, 2) else None
+
+    used = drive(chooser, 1, at, 20)
+    assert used[:6] == [1, 1, 1, 2, 2, 2]
+    assert chooser.best(1) == 2
+
+
+def test_bad_counts_are_refused():
+    with pytest.raises(ValueError):
+        ThreadChooser(())
+    with pytest.raises(ValueError):
+        ThreadChooser((0, 1))
+
+
+@pytest.fixture
+def engine():
+    engine = DraftEngine({"ngram": NgramDrafter(3, 1)}, DraftConfig())
+    yield engine
+    engine.shutdown()
+
+
+def test_submitted_calls_run_on_the_draft_thread_and_return_or_raise(engine):
+    assert engine.submit(lambda a, b: (threading.current_thread().name, a + b), 2, 3).result(5) == ("draft", 5)
+
+    def fails():
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        engine.submit(fails).result(5)
+    assert engine.submit(lambda: "still serving").result(5) == "still serving"  # one failure stops nothing
+
+
+def test_submitted_calls_go_ahead_of_queued_session_opens(engine):
+    from specdec.core.steps import SessionSpec
+
+    order = []
+    gate = threading.Event()
+    engine.submit(gate.wait, 5)  # hold the thread so the next two queue up
+    opened = engine.open(SessionSpec("a" * 32, (1, 2, 3), SamplingParams(), "ngram"), lambda block: None)
+    opened.add_done_callback(lambda _: order.append("open"))
+    call = engine.submit(lambda: order.append("call"))
+    gate.set()
+    call.result(5)
+    opened.result(5)
+    assert order == ["call", "open"]
+
+
+def test_after_shutdown_submit_refuses(engine):
+    engine.shutdown()
+    with pytest.raises(RuntimeError):
+        engine.submit(lambda: None)
+
+
+def test_one_process_runs_the_verifiers_model_work_on_the_draft_thread(tiny_pair):
+    from specdec import roles
+    from specdec.orchestrator.loop import collect
+    from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
+    from specdec.target.engine import TargetConfig
+
+    target, draft = tiny_pair
+    orch = roles.embedded(TargetConfig(target), DraftConfig(draft, target), OrchestratorConfig())
+    engine = orch.verifier.engine
+    names = []
+    verify_batch = engine.engine.verify_batch
+
+    def spy(steps):
+        names.append(threading.current_thread().name)
+        return verify_batch(steps)
+
+    engine.engine.verify_batch = spy
+    asyncio.run(collect(orch.generate(GenerationRequest(prompt_text="def f(x):", max_new_tokens=8))))
+    assert names and set(names) == {"draft"}
+    assert engine.threads is not None
+    assert any(engine.threads.seconds(rows, 1) is not None for rows in (1, 2, 4, 8, 16, 32))  # counts are measured
+    fixed = roles.embedded(TargetConfig(target, threads=1), DraftConfig(draft, target, threads=1), OrchestratorConfig())
+    assert fixed.verifier.engine.threads is None  # a fixed count is left as it is
