@@ -89,7 +89,9 @@ def test_submitted_calls_run_on_the_draft_thread_and_return_or_raise(engine):
     assert engine.submit(lambda: "still serving").result(5) == "still serving"  # one failure stops nothing
 
 
-def test_submitted_calls_go_ahead_of_queued_session_opens(engine):
+def test_queued_session_opens_go_ahead_of_submitted_calls(engine):
+    """A session starts only when both workers have prefilled it: a drafter's open must not wait
+    behind the verifier's stream of batches (in one process they share this thread)."""
     from specdec.core.steps import SessionSpec
 
     order = []
@@ -101,7 +103,7 @@ def test_submitted_calls_go_ahead_of_queued_session_opens(engine):
     gate.set()
     call.result(5)
     opened.result(5)
-    assert order == ["call", "open"]
+    assert order == ["open", "call"]
 
 
 def test_after_shutdown_submit_refuses(engine):

@@ -1,9 +1,9 @@
 """The draft worker's core: sessions, and the one thread that runs all of their model work. No gRPC here.
 
 A session is driven by outcomes (``outcome``) and answers with blocks through the ``emit`` callback
-it was opened with (called on the draft thread). The thread serves, in this order: calls submitted
-to it (``submit``: in one process, the verifier's model work shares this thread), session opens
-(prefill), blocks some verifier is waiting for (just in time), then pre-drafts, one session after
+it was opened with (called on the draft thread). The thread serves, in this order: session opens
+(prefill), calls submitted to it (``submit``: in one process, the verifier's model work shares this
+thread), blocks some verifier is waiting for (just in time), then pre-drafts, one session after
 another, so no session starves and a waiting verifier never queues behind speculative work. One
 thread serialises model calls, which is what one set of small weights on a couple of cores wants.
 """
@@ -159,12 +159,12 @@ class DraftEngine:
 
     def _next_job(self) -> Callable[[], None] | None:
         """Under the lock: the most urgent piece of work, as a callable to run outside it."""
+        if self._opens:  # first: a session starts only once both its prefills are done
+            spec, emit, done = self._opens.popleft()
+            return lambda: self._open_now(spec, emit, done)
         if self._calls:
             fn, done = self._calls.popleft()
             return lambda: _run_call(fn, done)
-        if self._opens:
-            spec, emit, done = self._opens.popleft()
-            return lambda: self._open_now(spec, emit, done)
         ids = self.sessions.ids()
         if not ids:
             return None
