@@ -52,6 +52,7 @@ class Runners:
 
         self.hf_threads = config.threads or available_cores()  # the baseline too; auto: every core
         self.threads = config.threads or 1
+        self.auto_threads = config.threads is None
         self.tokenizer = AutoTokenizer.from_pretrained(config.target, local_files_only=True)
         self.hf = AutoModelForCausalLM.from_pretrained(config.target, local_files_only=True, dtype=torch.float32).eval()
         self.orch = None
@@ -89,7 +90,11 @@ class Runners:
 
     async def run(self, method: Method, prompt: str) -> Run:
         t0 = time.perf_counter()
-        if method.policy is None:
+        if method.policy is None and self.orch is not None and self.auto_threads:
+            # On the in-process model thread: a second OpenMP team of every core, on this thread,
+            # would make libgomp throttle both teams' spinning (more OpenMP threads than cores).
+            ids, counters = await self.orch.verifier.engine.on_model_thread(self._hf, prompt), None
+        elif method.policy is None:
             ids, counters = self._hf(prompt), None
         elif method.distributed:
             ids, counters = await self._remote(prompt, method.policy)
@@ -101,12 +106,12 @@ class Runners:
         import torch
 
         ids = torch.tensor([self.tokenizer(prompt)["input_ids"]])
-        torch.set_num_threads(self.hf_threads)  # this thread's count: the in-process model thread keeps its own
+        torch.set_num_threads(self.hf_threads)  # this thread's count (the model thread's chooser sets its own per call)
         try:
             with torch.inference_mode():
                 out = self.hf.generate(ids, max_new_tokens=self.n, do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
         finally:
-            torch.set_num_threads(self.threads)  # back to what the event loop's thread runs with (roles.embedded)
+            torch.set_num_threads(self.threads)
         return tuple(out[0, ids.shape[1]:].tolist())
 
     async def _inproc(self, prompt: str, pol: SpeculationPolicy) -> tuple[tuple[int, ...], SpecCounters]:

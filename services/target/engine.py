@@ -279,6 +279,9 @@ class AsyncVerifierEngine:
         self.engine = engine
         self.kv_store = kv_store
         self._run = Offload("verify", threaded, executor)
+        # Model work on a thread shared with the drafter (one process): nothing drafts while a
+        # forward runs, so drafting ahead cannot overlap verification here.
+        self.shares_model_thread = executor is not None
         self.threads = threads
         self._waiting: collections.deque[tuple[str, DraftProposal, asyncio.Future]] = collections.deque()
         self._batcher: asyncio.Task | None = None
@@ -378,6 +381,10 @@ class AsyncVerifierEngine:
             for (_, _, done), result in zip(batch, results):
                 if not done.done():
                     done.set_exception(result) if isinstance(result, BaseException) else done.set_result(result)
+
+    async def on_model_thread(self, fn: Callable[..., R], *args) -> R:
+        """``fn(*args)`` where this engine's model work runs (benchmarks: a baseline on the same thread)."""
+        return await self._run(fn, *args)
 
     def _timed(self, rows: int, fn: Callable[..., R], *args) -> R:
         """On the model thread: ``fn(*args)`` with the thread count chosen for ``rows`` rows, timed for the chooser."""

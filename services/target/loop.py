@@ -56,7 +56,12 @@ class VerifierLoop:
         self.link_factory = link_factory
         self.context_length = context_length
         self.config = config
-        self.controller = SpeculationController(run.policy)
+        policy = run.policy
+        if policy.mode is SpeculationMode.ADAPTIVE and getattr(engine, "shares_model_thread", False):
+            # One model thread for both models: an adaptive request has no overlap to choose
+            # (drafting ahead would only delay the verifications it cannot run beside).
+            policy = dataclasses.replace(policy, overlap=False)
+        self.controller = SpeculationController(policy)
         self.state = LoopState(list(run.spec.prompt_ids))
         self.link: DraftLink | None = None
         self._reconnect: asyncio.Task | None = None
