@@ -8,9 +8,12 @@ Neither is known in advance and both change while a server runs, so the count is
 speculation length is: by the measured time of the calls themselves.
 
 Calls are compared only with calls of about the same size (rows, in powers of two): each count's
-seconds per call is an exponentially weighted mean per size, the faster count is used, and every
-``explore_every`` calls of a size the other count runs once, so a change of the machine's load is
-seen within a few dozen calls. Pure: the caller sets the count and times the call.
+seconds per call is an exponentially weighted mean per size, the faster count is used, and the
+other count runs once every ``explore_every`` calls of a size, an interval that doubles (up to
+``max_interval``) while those tries change nothing, so a slower count costs little once it is known
+to be slower, and a change of the machine's load is still seen within a few hundred calls (at once
+when the count in use gets slower: it is measured on every call). Pure: the caller sets the count
+and times the call.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from collections.abc import Sequence
 
 
 class ThreadChooser:
-    def __init__(self, counts: Sequence[int], explore_every: int = 32, rate: float = 0.25, first_samples: int = 3) -> None:
+    def __init__(self, counts: Sequence[int], explore_every: int = 32, rate: float = 0.25, first_samples: int = 3,
+                 max_interval: int = 256) -> None:
         if not counts or min(counts) < 1:
             raise ValueError(f"thread counts must be >= 1, got {tuple(counts)}")
         self.counts = tuple(sorted(set(counts)))
@@ -28,6 +32,11 @@ class ThreadChooser:
         self._rate = rate
         self._mean: dict[tuple[int, int], float] = {}  # (size, count) -> seconds per call
         self._calls: dict[int, int] = {}  # size -> calls so far
+        self._max_interval = max(explore_every, max_interval)
+        self._interval: dict[int, int] = {}  # size -> calls between tries of the other counts
+        self._next_try: dict[int, int] = {}  # size -> the call that tries next
+        self._best_at_try: dict[int, int] = {}  # size -> the best count when the last try was made
+        self._tries: dict[int, int] = {}  # size -> tries so far (which other count goes next)
 
     @staticmethod
     def size_of(rows: int) -> int:
@@ -43,10 +52,22 @@ class ThreadChooser:
         if untried:
             return untried[0]
         best = self.best(rows)
-        if len(self.counts) > 1 and n % self._explore_every == self._explore_every - 1:
-            others = [c for c in self.counts if c != best]
-            return others[(n // self._explore_every) % len(others)]
-        return best
+        if len(self.counts) == 1:
+            return best
+        if size not in self._next_try:
+            self._next_try[size] = n + self._explore_every
+            return best
+        if n < self._next_try[size]:
+            return best
+        # Time to try another count. The tries since the best last changed changed nothing: wait
+        # twice as long for the next one; after a change, try again soon.
+        unchanged = self._best_at_try.get(size) == best
+        interval = min(2 * self._interval.get(size, self._explore_every), self._max_interval) if unchanged else self._explore_every
+        self._interval[size], self._best_at_try[size] = interval, best
+        self._next_try[size] = n + interval
+        tries = self._tries[size] = self._tries.get(size, 0) + 1
+        others = [c for c in self.counts if c != best]
+        return others[tries % len(others)]
 
     def best(self, rows: int) -> int:
         """The count measured fastest for calls of this size (the fewest threads until measured)."""
