@@ -59,3 +59,47 @@ def test_the_draft_cost_stays_unknown_while_drafts_move_with_the_batch_size():
         cycle = 0.004 + 0.001 * sessions
         model.observe(3 * sessions, cycle - 0.002, committed_tokens=sessions, since_last_s=cycle, drafts=2 * sessions)
     assert model.draft_token_cost_s is None
+
+
+# ----------------------------------------------------------------------------- what the loop feeds the cost model
+def test_a_prefill_between_two_batches_is_not_a_decode_cycle(tiny_pair):
+    import asyncio
+    import secrets
+
+    from specdec.core.sampling import SamplingParams
+    from specdec.core.steps import DraftProposal, SessionSpec
+    from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
+
+    engine = AsyncVerifierEngine(VerifierEngine.from_config(TargetConfig(tiny_pair[0])), threaded=False)
+    gaps = []
+    observe = engine.batch_costs.observe
+    engine.batch_costs.observe = lambda *args, **kw: (gaps.append(args[3]), observe(*args, **kw))
+
+    async def go():
+        first, second = secrets.token_hex(16), secrets.token_hex(16)
+        await engine.open(SessionSpec(first, (5, 6, 7), SamplingParams()), 16)
+        await engine.verify(first, DraftProposal(()))
+        await engine.verify(first, DraftProposal(()))  # a decode cycle
+        await engine.open(SessionSpec(second, (5, 6, 7, 8), SamplingParams()), 16)
+        await engine.verify(first, DraftProposal(()))  # the gap before it held a prefill
+
+    asyncio.run(go())
+    assert gaps[0] is None and gaps[1] is not None and gaps[2] is None
+
+
+def test_alone_the_load_cap_leaves_k_to_the_request():
+    from types import SimpleNamespace
+
+    from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+    from specdec.target.loop import VerifierLoop
+
+    # A fitted draft-token cost that makes any draft look dear to a batch (price 2 tokens).
+    costs = SimpleNamespace(per_row_s=0.001, draft_per_token_s=0.001, draft_token_cost_s=0.01, goodput_tokens_per_s=200.0)
+    run = SimpleNamespace(policy=SpeculationPolicy(SpeculationMode.ADAPTIVE, 4, 8), spec=SimpleNamespace(prompt_ids=(1, 2, 3)))
+
+    def loop(sessions: int) -> VerifierLoop:
+        engine = SimpleNamespace(batch_costs=costs, open_sessions=sessions, shares_model_thread=False)
+        return VerifierLoop(engine, run, lambda run: None, 512)
+
+    assert loop(1)._under_load(3) == 3  # its own step-time model already weighed what a draft costs it
+    assert loop(8)._under_load(3) == 0  # in company, a draft token must pay for the whole batch

@@ -305,7 +305,11 @@ class AsyncVerifierEngine:
         closing_wait = loop.time() + 2.0
         while True:
             try:
-                return await self._run(self._timed, len(spec.prompt_ids), self.engine.open, spec, max_new_tokens, stored)
+                opened = await self._run(self._timed, len(spec.prompt_ids), self.engine.open, spec, max_new_tokens, stored)
+                # The gap before the next batch holds this prefill (and a client's turnaround), not
+                # decoding: it is no cycle for the cost model (it made one draft token look 7 ms dear).
+                self._last_batch_end = None
+                return opened
             except SessionAlreadyOpen:
                 # A session resumed here while its earlier stream is still being torn down (its
                 # orchestrator died a moment ago): that one closes within moments; then this opens.
@@ -381,6 +385,10 @@ class AsyncVerifierEngine:
             for (_, _, done), result in zip(batch, results):
                 if not done.done():
                     done.set_exception(result) if isinstance(result, BaseException) else done.set_result(result)
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self.engine.sessions)
 
     async def on_model_thread(self, fn: Callable[..., R], *args) -> R:
         """``fn(*args)`` where this engine's model work runs (benchmarks: a baseline on the same thread)."""

@@ -122,6 +122,11 @@ class VerifierLoop:
         policy = self.run.policy
         if costs is None or policy.mode is not SpeculationMode.ADAPTIVE:
             return k
+        if getattr(self.engine, "open_sessions", 2) <= 1:
+            # Alone, what a draft token costs the batch is what it costs this request, which its
+            # own step-time model already weighs (the batch-wide fit, which also charges a block's
+            # fixed cost to each of its tokens, cut one session's k to 0 or 1 where k = 2-3 paid).
+            return k
         mine = self.controller.costs
         # Drafting costs the batch what it adds to this session's steps: the blocks it waited for.
         per_token = costs.per_row_s + mine.miss.get(1.0) * mine.draft_per_token.get(costs.draft_per_token_s)
