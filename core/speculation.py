@@ -89,8 +89,9 @@ class StepCostModel:
     """Expected seconds of a step that verifies k drafts, from the request's own measured steps."""
 
     def __init__(self, rate: float = 0.2) -> None:
-        self.verify_base = _Ema(rate)  # the verify time's intercept...
-        self.verify_slope = 0.04  # ...and its growth per draft token, as a fraction of it (demo pair: 1.16x at k = 4)
+        # Verify seconds against k (does a draft token make the forward longer, and by how much?);
+        # fitted more slowly than a mean, because a slope needs more steps.
+        self.verify = _LineFit(rate / 4)
         self.draft_per_token = _Ema(rate)
         self.miss = _Ema(rate)  # fraction of speculating steps that had to wait for their block
         self.miss_overhead = _Ema(rate)  # a wait's cost beyond the drafting itself (the hop)
@@ -99,7 +100,7 @@ class StepCostModel:
 
     def observe(self, k: int, timing: StepTiming) -> None:
         self.steps += 1
-        self.verify_base.add(timing.verify_s / (1 + self.verify_slope * k))
+        self.verify.add(k, timing.verify_s)
         self.other.add(max(0.0, timing.step_s - timing.verify_s - timing.wait_s))
         if k > 0:
             if timing.draft_s > 0:
@@ -110,11 +111,44 @@ class StepCostModel:
                 self.miss_overhead.add(max(0.0, timing.wait_s - timing.draft_s))
 
     def seconds(self, k: int) -> float:
-        base = self.verify_base.get(1e-3)
-        t = base * (1 + self.verify_slope * k) + self.other.get(0.0)
+        verify = self.verify.at(k)
+        t = verify + self.other.get(0.0)
         if k > 0:
-            t += self.miss.get(1.0) * (k * self.draft_per_token.get(0.1 * base) + self.miss_overhead.get(0.0))
+            t += self.miss.get(1.0) * (k * self.draft_per_token.get(0.1 * self.verify.at(0)) + self.miss_overhead.get(0.0))
         return t
+
+
+class _LineFit:
+    """y = a + b * k, exponentially weighted. Until k has varied, b is a prior share of the mean per
+    draft token (4%: the demo pair on an Intel Xeon, 1.16x at k = 4); once it has, b is fitted, because
+    machines differ: a forward bound by reading weights costs about the same for 1 row or 5 (an AMD
+    EPYC here: k = 3 verified as fast as k = 2), and a prior that charges every draft token a
+    slope the machine does not have makes k too short."""
+
+    PRIOR_SLOPE = 0.04
+
+    def __init__(self, rate: float) -> None:
+        self._keep = 1.0 - rate
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, k: float, y: float) -> None:
+        keep = self._keep
+        self._n = keep * self._n + 1.0
+        self._x = keep * self._x + k
+        self._y = keep * self._y + y
+        self._xx = keep * self._xx + k * k
+        self._xy = keep * self._xy + k * y
+
+    def at(self, k: float) -> float:
+        if self._n == 0:
+            return 1e-3 * (1 + self.PRIOR_SLOPE * k)
+        mx, my = self._x / self._n, self._y / self._n
+        var = self._xx / self._n - mx * mx
+        if var < 0.25:  # k hardly varied: the slope is not identifiable
+            base = my / (1 + self.PRIOR_SLOPE * mx)
+            return base * (1 + self.PRIOR_SLOPE * k)
+        slope = max(0.0, (self._xy / self._n - mx * my) / var)
+        return max(1e-6, my + slope * (k - mx))
 
 
 IDLE_RELAX = 0.2  # per step without drafts: the share of the way back to the prior alpha

@@ -207,3 +207,35 @@ def test_steps_without_drafts_relax_alpha_to_the_prior_not_past_it():
         low.observe(0, 0)
     prior = adaptive().alpha
     assert high.alpha == pytest.approx(prior, abs=0.02) and low.alpha == pytest.approx(prior, abs=0.02)
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.25])
+def test_the_verify_time_per_draft_token_is_fitted_once_k_varies(slope):
+    from specdec.core.speculation import StepCostModel
+
+    costs = StepCostModel()
+    for i in range(80):
+        k = 1 + i % 4
+        costs.observe(k, StepTiming(verify_s=0.006 * (1 + slope * k), wait_s=0.0, step_s=0.006 * (1 + slope * k),
+                                    draft_s=0.0, predrafted=True))
+    assert costs.seconds(6) == pytest.approx(0.006 * (1 + slope * 6), rel=0.02)
+
+
+def test_k_stays_longer_where_verifying_more_rows_costs_nothing():
+    # The same drafter (each draft accepted with p = 0.7, seeded) on two machines: where the forward
+    # is bound by reading weights (verifying 5 rows costs what 1 does) the request speculates
+    # further than where every row adds a quarter of a step.
+    import random
+
+    mean_k = {}
+    for slope in (0.0, 0.25):
+        rng, c, ks = random.Random(7), adaptive(), []
+        for _ in range(300):
+            k = c.next_k()
+            accepted = next((j for j in range(k) if rng.random() > 0.7), k)
+            v = 0.007 * (1 + slope * k)
+            w = k * 0.001 + 0.0005 if k else 0.0
+            c.observe(k, accepted, StepTiming(verify_s=v, wait_s=w, step_s=v + w + 0.0005, draft_s=k * 0.001))
+            ks.append(k)
+        mean_k[slope] = sum(ks[100:]) / 200
+    assert mean_k[0.0] > mean_k[0.25] + 0.5
