@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 
+from specdec.core.ewfit import EwLine
+
 
 class BatchCostModel:
     """T_verify(rows) = base + per_row * rows, fitted online from the verifier's batches, and the
@@ -28,7 +30,7 @@ class BatchCostModel:
     def __init__(self, rate: float = 0.1, prior_per_row_fraction: float = 0.04) -> None:
         self._rate = rate
         self._prior = prior_per_row_fraction  # until rows vary enough to fit a slope: this share of a step per row
-        self._n = self._x = self._y = self._xx = self._xy = 0.0
+        self._rows = EwLine(rate)  # forward seconds against rows verified
         self._goodput: float | None = None
         self._draft_per_token: float | None = None  # over every session: a new one starts from it
         self._cycles = _CycleFit()
@@ -47,11 +49,7 @@ class BatchCostModel:
         whole_cycle = since_last_s is not None and seconds <= since_last_s <= 10 * seconds + 0.05  # else: idled between
         cycle = since_last_s if whole_cycle else seconds
         keep = 1.0 - self._rate
-        self._n = keep * self._n + 1.0
-        self._x = keep * self._x + rows
-        self._y = keep * self._y + seconds
-        self._xx = keep * self._xx + rows * rows
-        self._xy = keep * self._xy + rows * seconds
+        self._rows.add(rows, seconds)
         g = committed_tokens / cycle
         if whole_cycle:
             self._cycles.add(rows - drafts, drafts, cycle)
@@ -78,15 +76,12 @@ class BatchCostModel:
     @property
     def per_row_s(self) -> float:
         """Seconds one more verified row adds to a batch's forward."""
-        if self._n == 0:
+        fit = self._rows
+        if fit.n == 0:
             return 0.0
-        mean_x, mean_y = self._x / self._n, self._y / self._n
-        var = self._xx / self._n - mean_x * mean_x
-        prior = self._prior * mean_y
-        if var < 1.0:  # rows hardly vary (one session at a fixed k): the slope is not identifiable
-            return prior
-        slope = (self._xy / self._n - mean_x * mean_y) / var
-        return max(0.0, slope)
+        if fit.var_x < 1.0:  # rows hardly vary (one session at a fixed k): the slope is not identifiable
+            return self._prior * fit.mean_y
+        return max(0.0, fit.slope)
 
 
 class _CycleFit:

@@ -19,6 +19,7 @@ import enum
 from dataclasses import dataclass
 
 from specdec.core.errors import InvalidRequest
+from specdec.core.ewfit import EwLine
 
 
 class SpeculationMode(enum.Enum):
@@ -128,27 +129,20 @@ class _LineFit:
     PRIOR_SLOPE = 0.04
 
     def __init__(self, rate: float) -> None:
-        self._keep = 1.0 - rate
-        self._n = self._x = self._y = self._xx = self._xy = 0.0
+        self._fit = EwLine(rate)
 
     def add(self, k: float, y: float) -> None:
-        keep = self._keep
-        self._n = keep * self._n + 1.0
-        self._x = keep * self._x + k
-        self._y = keep * self._y + y
-        self._xx = keep * self._xx + k * k
-        self._xy = keep * self._xy + k * y
+        self._fit.add(k, y)
 
     def at(self, k: float) -> float:
-        if self._n == 0:
+        fit = self._fit
+        if fit.n == 0:
             return 1e-3 * (1 + self.PRIOR_SLOPE * k)
-        mx, my = self._x / self._n, self._y / self._n
-        var = self._xx / self._n - mx * mx
-        if var < 0.25:  # k hardly varied: the slope is not identifiable
+        mx, my = fit.mean_x, fit.mean_y
+        if fit.var_x < 0.25:  # k hardly varied: the slope is not identifiable
             base = my / (1 + self.PRIOR_SLOPE * mx)
             return base * (1 + self.PRIOR_SLOPE * k)
-        slope = max(0.0, (self._xy / self._n - mx * my) / var)
-        return max(1e-6, my + slope * (k - mx))
+        return max(1e-6, my + max(0.0, fit.slope) * (k - mx))
 
 
 IDLE_RELAX = 0.2  # per step without drafts: the share of the way back to the prior alpha

@@ -192,8 +192,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--k takes comma-separated integers, got {args.k!r}") from None
     if not ks or min(ks) < 1:
         raise UsageError(f"--k takes speculation lengths >= 1, got {args.k!r}")
-    threads = None if args.threads == "auto" else int(args.threads) if args.threads.isdigit() and int(args.threads) >= 1 else 0
-    if threads == 0:
+    if args.threads == "auto":
+        threads = None
+    elif args.threads.isdigit() and int(args.threads) >= 1:
+        threads = int(args.threads)
+    else:
         raise UsageError(f"--threads takes a count >= 1 or 'auto', got {args.threads!r}")
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise UsageError("--prompts and --max-new-tokens must be >= 1")

@@ -48,9 +48,7 @@ class Runners:
         from specdec.target.engine import TargetConfig
 
         self.n = config.max_new_tokens
-        from specdec.roles import available_cores
-
-        self.hf_threads = config.threads or available_cores()  # the baseline too; auto: every core
+        self.hf_threads = config.threads or roles.available_cores()  # the baseline too; auto: every core
         self.threads = config.threads or 1
         self.auto_threads = config.threads is None
         self.tokenizer = AutoTokenizer.from_pretrained(config.target, local_files_only=True)

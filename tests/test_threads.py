@@ -145,3 +145,23 @@ def test_one_process_runs_the_verifiers_model_work_on_the_draft_thread(tiny_pair
     assert any(engine.threads.seconds(rows, 1) is not None for rows in (1, 2, 4, 8, 16, 32))  # counts are measured
     fixed = roles.embedded(TargetConfig(target, threads=1), DraftConfig(draft, target, threads=1), OrchestratorConfig())
     assert fixed.verifier.engine.threads is None  # a fixed count is left as it is
+
+
+def test_on_a_shared_model_thread_an_adaptive_request_does_not_draft_ahead():
+    """Nothing can draft while the shared thread runs a forward: an adaptive request there runs
+    sequential steps only; a fixed policy keeps the overlap it asked for, and so does any request
+    whose verifier has a model thread of its own."""
+    from types import SimpleNamespace
+
+    from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+    from specdec.target.loop import VerifierLoop
+
+    def overlap(shared: bool, policy: SpeculationPolicy) -> bool:
+        engine = SimpleNamespace(shares_model_thread=shared)
+        run = SimpleNamespace(policy=policy, spec=SimpleNamespace(prompt_ids=(1, 2, 3)))
+        return VerifierLoop(engine, run, lambda run: None, 512).controller.next_overlap()
+
+    adaptive = SpeculationPolicy(SpeculationMode.ADAPTIVE, 4, 8)
+    assert overlap(True, adaptive) is False
+    assert overlap(False, adaptive) is True
+    assert overlap(True, SpeculationPolicy(SpeculationMode.FIXED, 3)) is True
