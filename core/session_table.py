@@ -24,13 +24,17 @@ class SessionTable(Generic[T]):
         return len(self._items)
 
     def add(self, session_id: str, state: T) -> None:
+        self.check_can_add(session_id)
+        self._items[session_id] = (state, self._clock())
+
+    def check_can_add(self, session_id: str, adding: int = 0) -> None:
+        """Raise what `add` would, with ``adding`` more sessions about to be added first (a batch's earlier opens)."""
         check_session_id(session_id)
         self.reap_idle()
         if session_id in self._items:
             raise SessionAlreadyOpen(f"session {short_id(session_id)} is already open on this worker")
-        if len(self._items) >= self._max:
+        if len(self._items) + adding >= self._max:
             raise Overloaded(f"this worker holds its maximum of {self._max} sessions; retry later or on another replica")
-        self._items[session_id] = (state, self._clock())
 
     def get(self, session_id: str) -> T:
         """The session's state, marked as used now. An expired session is gone even if not yet reaped."""

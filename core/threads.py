@@ -12,8 +12,10 @@ seconds per call is an exponentially weighted mean per size, the faster count is
 other count runs once every ``explore_every`` calls of a size, an interval that doubles (up to
 ``max_interval``) while those tries change nothing, so a slower count costs little once it is known
 to be slower, and a change of the machine's load is still seen within a few hundred calls (at once
-when the count in use gets slower: it is measured on every call). Pure: the caller sets the count
-and times the call.
+when the count in use gets slower: it is measured on every call). A size not seen before starts
+from the count the largest smaller size measured fastest (more rows never scale worse), so rare
+large calls (a prefill of many prompts) do not spend their first calls on the slower count. Pure:
+the caller sets the count and times the call.
 """
 from __future__ import annotations
 
@@ -49,8 +51,17 @@ class ThreadChooser:
         n = self._calls.get(size, 0)
         self._calls[size] = n + 1
         untried = [c for c in self.counts if self._seen.get((size, c), 0) < self._first]
-        if untried:
+        borrowed = self._smaller_best(size) if untried else None
+        if untried and borrowed is None:
             return untried[0]
+        if untried:
+            # A size first seen (a prefill of many prompts at once: rare, large) starts from the
+            # count the largest known smaller size measured fastest, as its own first calls at the
+            # slower count would cost whole forwards; the other counts are tried once every
+            # `explore_every` calls, and once each has a time, this size's own times decide.
+            never = [c for c in self.counts if c != borrowed and (size, c) not in self._seen]
+            if never:
+                return never[0] if n % self._explore_every == self._explore_every - 1 else borrowed
         best = self.best(rows)
         if len(self.counts) == 1:
             return best
@@ -68,6 +79,15 @@ class ThreadChooser:
         tries = self._tries[size] = self._tries.get(size, 0) + 1
         others = [c for c in self.counts if c != best]
         return others[tries % len(others)]
+
+    def _smaller_best(self, size: int) -> int | None:
+        """The fastest count at the largest smaller size where every count has its first calls, or None."""
+        known = [other for other in {s for s, _ in self._seen} if other < size
+                 and all(self._seen.get((other, c), 0) >= self._first for c in self.counts)]
+        if not known:
+            return None
+        other = max(known)
+        return min((self._mean[(other, c)], c) for c in self.counts)[1]
 
     def best(self, rows: int) -> int:
         """The count measured fastest for calls of this size (the fewest threads until measured)."""

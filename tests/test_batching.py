@@ -1,23 +1,28 @@
 """Continuous batching at the verifier: many sessions' verify steps in one target forward, and not a
 token different for it. Greedy sessions of a batch equal target-only `generate`; a seeded sampled
-session gives the same tokens whatever shares its batch; a refused step in a batch changes nothing."""
+session gives the same tokens whatever shares its batch; a refused step in a batch changes nothing.
+Sessions that open together are prefilled together, at the verifier and at the drafter."""
 from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 
 import pytest
 import torch
 
-from specdec.core.errors import InvalidRequest, SessionNotFound
+from specdec.core.errors import InvalidRequest, SessionAlreadyOpen, SessionNotFound
 from specdec.core.llama_decode import LlamaDecoder
 from specdec.core.models import load_causal_lm
 from specdec.core.sampling import SamplingParams, VerificationRule
-from specdec.core.steps import DraftProposal, SessionSpec
-from specdec.target.engine import TargetConfig, VerifierEngine
+from specdec.core.steps import DraftProposal, SessionSpec, StepOutcome
+from specdec.draft.drafters import DraftConfig
+from specdec.draft.engine import DraftEngine
+from specdec.target.engine import AsyncVerifierEngine, KVBudgetFull, TargetConfig, VerifierEngine
 from specdec.v1 import common_pb2, generation_pb2 as pb
 
 from test_e2e import prompts, reference_greedy, request
+from test_overlap import Blocks, fresh_block
 
 MIXED_K = [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 3, 5, 8, 1, 4, 2]  # 16 sessions, k = 0..8
 
@@ -110,3 +115,81 @@ async def test_a_seeded_request_is_unchanged_by_what_shares_its_batches(cluster)
     together, *_ = await asyncio.gather(cluster.stub.Generate(seeded, timeout=120),
                                         *(cluster.stub.Generate(r, timeout=120) for r in crowd))
     assert list(together.token_ids) == list(alone.token_ids)
+
+
+# ----------------------------------------------------------------------------- prefills of many sessions at once
+
+
+def test_opens_of_one_prefill_batch_are_checked_one_by_one_and_equal_opening_alone(tiny_pair):
+    """One forward prefills every open of a batch; a refused open (bad token, twice in the batch,
+    over the KV budget once its batch-mates' reservations count) gets its error and the rest open,
+    with the keys and values (and so the next logits) of a session opened alone."""
+    engine = VerifierEngine.from_config(TargetConfig(tiny_pair[0], max_kv_tokens=100))
+    a, b, c = (secrets.token_hex(16) for _ in range(3))
+    prompt_a, prompt_b = tuple(range(1, 30)), tuple(range(40, 52))
+    opens = [(SessionSpec(a, prompt_a, SamplingParams()), 20, ()),  # reserves 49
+             (SessionSpec(c, (1, 10**6), SamplingParams()), 4, ()),  # not a token of this vocabulary
+             (SessionSpec(b, prompt_b, SamplingParams()), 20, ()),  # 32 more: 81 of 100
+             (SessionSpec(a, prompt_a, SamplingParams()), 20, ()),  # the same session twice
+             (SessionSpec(c, (5, 6, 7), SamplingParams()), 20, ())]  # 23 more would make 104
+    results = engine.open_batch(opens)
+    assert isinstance(results[0], int) and isinstance(results[2], int)
+    assert isinstance(results[1], InvalidRequest) and "vocabulary" in str(results[1])
+    assert isinstance(results[3], SessionAlreadyOpen)
+    assert isinstance(results[4], KVBudgetFull) and "81 are reserved" in str(results[4])
+    assert sorted(engine.sessions.ids()) == sorted([a, b])
+    assert engine.kv_reserved_tokens() == 81
+    alone = secrets.token_hex(16)
+    engine.close(b)
+    engine.open(SessionSpec(alone, prompt_a, SamplingParams()), 20)
+    for step in [(3, 4, 5), (), (9,)]:
+        together, by_itself = engine.verify(a, DraftProposal(step)), engine.verify(alone, DraftProposal(step))
+        assert together.token_ids == by_itself.token_ids and together.num_accepted == by_itself.num_accepted
+
+
+async def test_sessions_that_open_together_are_prefilled_in_one_forward(tiny_pair):
+    """Nine clients at once: their opens queue together and go in one forward; one cancelled while
+    it waits is never prefilled."""
+    engine = VerifierEngine.from_config(TargetConfig(tiny_pair[0]))
+    sizes = []
+    real = engine.open_batch
+    engine.open_batch = lambda opens: sizes.append(len(opens)) or real(opens)
+    verifier = AsyncVerifierEngine(engine)
+    ids = [secrets.token_hex(16) for _ in range(9)]
+    opens = [asyncio.ensure_future(verifier.open(SessionSpec(sid, tuple(range(1, 5 + 3 * i)), SamplingParams()), 8))
+             for i, sid in enumerate(ids)]
+    await asyncio.sleep(0)  # all nine are queued; the prefill has not started
+    opens[-1].cancel()
+    done = await asyncio.gather(*opens, return_exceptions=True)
+    assert all(isinstance(t, int) for t in done[:-1]) and isinstance(done[-1], asyncio.CancelledError)
+    assert sizes == [8]
+    assert sorted(engine.sessions.ids()) == sorted(ids[:-1])
+    outcomes = await asyncio.gather(*(verifier.verify(sid, DraftProposal(())) for sid in ids[:-1]))
+    assert all(len(o.token_ids) == 1 for o in outcomes)
+
+
+def test_draft_sessions_that_open_together_are_prefilled_in_one_forward_and_draft_as_alone(tiny_pair):
+    target_path, draft_path = tiny_pair
+    drafter = DraftEngine.from_config(DraftConfig(draft_path, target_path))
+    model = drafter.drafters["model"]
+    sizes = []
+    real = model.open_many
+    model.open_many = lambda opens: sizes.append(len(opens)) or real(opens)
+    try:
+        gate = threading.Event()
+        busy = drafter.submit(gate.wait, 10)  # the draft thread is busy: the opens queue behind it
+        prompts = [tuple(range(3, 9 + 5 * i)) for i in range(5)]
+        blocks = [Blocks() for _ in prompts]
+        ids = [secrets.token_hex(16) for _ in prompts]
+        opened = [drafter.open(SessionSpec(sid, p, SamplingParams(), "model"), b.emit) for sid, p, b in zip(ids, prompts, blocks)]
+        gate.set()
+        busy.result(timeout=10)
+        for f in opened:
+            f.result(timeout=30)
+        assert sizes == [5]
+        for sid, p, b in zip(ids, prompts, blocks):
+            drafter.outcome(sid, StepOutcome(len(p), (), 4, overlap=False))
+            block = b.until(lambda blk: blk.continues(list(p)))
+            assert block.proposal.token_ids == fresh_block(drafter, list(p), 4).proposal.token_ids
+    finally:
+        drafter.shutdown()

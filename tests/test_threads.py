@@ -62,6 +62,21 @@ def test_calls_of_different_sizes_are_compared_only_with_their_own_size():
     assert chooser.best(64) == 2 and chooser.best(100) == 2  # 64..127 share a size
 
 
+def test_a_size_first_seen_starts_from_the_largest_smaller_size_and_still_measures_the_rest():
+    chooser = ThreadChooser((1, 2), explore_every=8)
+    drive(chooser, 1, {1: 0.008, 2: 0.0055}.get, 20)
+    drive(chooser, 64, {1: 0.060, 2: 0.035}.get, 20)
+    # A prefill of many prompts: rare, so its own first calls at one thread would be whole slow forwards.
+    prefill = drive(chooser, 2500, {1: 0.9, 2: 0.5}.get, 4)
+    assert prefill == [2, 2, 2, 2]
+    # Where one thread is the faster at that size, its own times take over once one thread is tried.
+    chooser = ThreadChooser((1, 2), explore_every=8)
+    drive(chooser, 64, {1: 0.060, 2: 0.035}.get, 20)
+    used = drive(chooser, 2500, {1: 0.5, 2: 0.9}.get, 20)
+    assert used[:7] == [2] * 7 and used[7] == 1  # tried on the explore_every-th call
+    assert used[8:16] == [1] * 8 and used[8:].count(1) >= 11 and chooser.best(2500) == 1
+
+
 def test_one_noisy_first_call_does_not_decide():
     chooser = ThreadChooser((1, 2), first_samples=3)
     times = iter([0.020, 0.008, 0.008] + [0.0055] * 3 + [0.0055] * 20)  # two threads' first call was cold

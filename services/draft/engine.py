@@ -20,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+from specdec.core.errors import SessionNotFound
 from specdec.core.session_table import SessionTable
 from specdec.core.sessions import check_session_id
 from specdec.core.steps import DraftBlock, SessionSpec, StepOutcome, WorkerInfo, validate_prompt
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Emit = Callable[[DraftBlock], None]
+MAX_PREFILL_TOKENS = 4096  # prompt tokens per batched prefill forward (as the verifier's max_prefill_tokens)
 
 
 class DraftEngine:
@@ -160,8 +162,16 @@ class DraftEngine:
     def _next_job(self) -> Callable[[], None] | None:
         """Under the lock: the most urgent piece of work, as a callable to run outside it."""
         if self._opens:  # first: a session starts only once both its prefills are done
-            spec, emit, done = self._opens.popleft()
-            return lambda: self._open_now(spec, emit, done)
+            opens = [self._opens.popleft()]
+            drafter = pick(self.drafters, opens[0][0].drafter)
+            if hasattr(drafter, "open_many"):  # every queued open of this drafter in one prefill forward
+                tokens = len(opens[0][0].prompt_ids)
+                for item in list(self._opens):
+                    if pick(self.drafters, item[0].drafter) is drafter and tokens + len(item[0].prompt_ids) <= MAX_PREFILL_TOKENS:
+                        self._opens.remove(item)
+                        opens.append(item)
+                        tokens += len(item[0].prompt_ids)
+            return lambda: self._open_now(drafter, opens)
         if self._calls:
             fn, done = self._calls.popleft()
             return lambda: _run_call(fn, done)
@@ -215,26 +225,38 @@ class DraftEngine:
                 if self.sessions.peek(sid) is speculator:  # not closed while it drafted
                     speculator.finish(work, [proposal])
 
-    def _open_now(self, spec: SessionSpec, emit: Emit, done: Future) -> None:
-        if not done.set_running_or_notify_cancel():
+    def _open_now(self, drafter: Drafter, opens: list[tuple[SessionSpec, Emit, Future]]) -> None:
+        opens = [item for item in opens if item[2].set_running_or_notify_cancel()]
+        if not opens:
             return
         try:
             t0 = time.perf_counter_ns()
-            drafter = pick(self.drafters, spec.drafter)
-            session = drafter.open(spec.prompt_ids, spec.sampling)  # the prefill
-            vocab = drafter.vocab_size or (1 << 31) - 1  # model-free drafters: any non-negative int32
-            speculator = SessionSpeculator(session, spec.prompt_ids, vocab, self.context_length, emit)
-            with self._lock:
-                if spec.session_id not in self._opening:
-                    done.cancel()  # closed while it was opening
-                    return
-                self._opening.discard(spec.session_id)
-                self.sessions.add(spec.session_id, speculator)
-            done.set_result(time.perf_counter_ns() - t0)
+            if len(opens) > 1:
+                sessions = drafter.open_many([(spec.prompt_ids, spec.sampling) for spec, _, _ in opens])  # the prefills
+            else:
+                sessions = [drafter.open(opens[0][0].prompt_ids, opens[0][0].sampling)]
+            elapsed = time.perf_counter_ns() - t0
         except BaseException as exc:
             with self._lock:
+                for spec, _, _ in opens:
+                    self._opening.discard(spec.session_id)
+            for _, _, done in opens:
+                done.set_exception(exc)
+            return
+        vocab = drafter.vocab_size or (1 << 31) - 1  # model-free drafters: any non-negative int32
+        for (spec, emit, done), session in zip(opens, sessions):
+            speculator = SessionSpeculator(session, spec.prompt_ids, vocab, self.context_length, emit)
+            with self._lock:
+                if spec.session_id not in self._opening:  # closed while it was opening
+                    done.set_exception(SessionNotFound("the session was closed while it was opening"))
+                    continue
                 self._opening.discard(spec.session_id)
-            done.set_exception(exc)
+                try:
+                    self.sessions.add(spec.session_id, speculator)
+                except BaseException as exc:  # e.g. the worker's session cap
+                    done.set_exception(exc)
+                    continue
+            done.set_result(elapsed)
 
     def _draft_now(self, session_id: str, speculator: SessionSpeculator, work: Work) -> None:
         session = speculator.session

@@ -46,9 +46,6 @@ class ModelDraftSession:
         self._sampling = sampling
         self._top_k = proposal_top_k
 
-    def prefill(self, prompt_ids: Sequence[int]) -> None:
-        self._kv.logits_for(prompt_ids, 1)
-
     def propose(self, committed: Sequence[int], num_speculative_tokens: int, num_alternatives: int = 0,
                 interrupt: Callable[[], bool] | None = None) -> DraftProposal:
         """Draft up to ``num_speculative_tokens`` tokens after ``committed``; with ``num_alternatives``,
@@ -204,9 +201,13 @@ class ModelDrafter:
         self.runner = runner_for(loaded.model, self.decoder)
 
     def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> ModelDraftSession:
-        session = ModelDraftSession(self.loaded.model, self.decoder, sampling, self._top_k, self.runner)
-        session.prefill(prompt_ids)
-        return session
+        return self.open_many([(prompt_ids, sampling)])[0]
+
+    def open_many(self, opens: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[ModelDraftSession]:
+        """Open sessions whose prefills run as one batched forward (many clients arriving at once)."""
+        sessions = [ModelDraftSession(self.loaded.model, self.decoder, sampling, self._top_k, self.runner) for _, sampling in opens]
+        logits_for_batch([(session._kv, prompt_ids, 1) for session, (prompt_ids, _) in zip(sessions, opens)])
+        return sessions
 
 
 @register("model")

@@ -23,7 +23,6 @@ from specdec.core.runner import runner_for
 from specdec.core.rejection import greedy_verify, rejection_sample
 from specdec.core.sampling import SamplingParams, probs_from_logits
 from specdec.core.session_table import SessionTable
-from specdec.core.sessions import check_session_id
 from specdec.core.steps import DraftProposal, SessionSpec, VerifyOutcome, WorkerInfo, check_room, dense_draft_probs, validate_prompt
 from specdec.core.threads import ThreadChooser
 
@@ -64,6 +63,9 @@ class TargetConfig:
     # loop): wait this long at most for every open session to be ready, so a batch is not split in
     # two halves that alternate. One session alone never waits (it is all the open sessions).
     batch_wait_s: float = 0.003
+    # Opens that arrive while a prefill runs are prefilled together, up to this many prompt tokens
+    # per forward (its attention's padded mask grows with sessions x longest prompt x context).
+    max_prefill_tokens: int = 4096
 
 
 class KVBudgetFull(Overloaded):
@@ -93,12 +95,12 @@ class VerifierEngine:
         fast = config.fast_forward and supports(loaded.model)
         self.decoder = LlamaDecoder(loaded.model, pack_rows=config.pack_rows) if fast else None
         self.runner = runner_for(loaded.model, self.decoder)  # every session's forward goes through it, batched
+        self.last_prefill_tokens = 0  # positions the last prefill batch computed (the rest came from stored KV blocks)
         self.layout = None  # the KV block layout, on the lean forward (blocks are its buffer's bytes)
         if self.decoder is not None:
             d = self.decoder
             self.layout = BlockLayout(len(d.layers), d.n_kv, d.head_dim, d.dtype, config.kv_block_tokens,
                                       model_fingerprint(loaded.model, d.dtype))
-        self.last_prefill_tokens = 0  # positions the last open computed (the rest came from stored KV blocks)
 
     @classmethod
     def from_config(cls, config: TargetConfig) -> "VerifierEngine":
@@ -107,23 +109,49 @@ class VerifierEngine:
     def open(self, spec: SessionSpec, max_new_tokens: int | None = None, stored: Sequence[torch.Tensor] = ()) -> int:
         """Prefill a session; ``max_new_tokens`` sizes its KV reservation (None: the whole context);
         ``stored``: KV blocks of the prompt's first positions, already checked (core/redis_kv.py)."""
+        result = self.open_batch([(spec, max_new_tokens, stored)])[0]
+        if isinstance(result, SpecdecError):
+            raise result
+        return result
+
+    def open_batch(self, opens: Sequence[tuple[SessionSpec, int | None, Sequence[torch.Tensor]]]) -> list[int | SpecdecError]:
+        """Prefill many sessions in one target forward: (spec, max_new_tokens, stored) each, as `open`.
+
+        A prefill is bound by arithmetic, not by reading weights, yet one forward over 64 prompts
+        measured 0.8 s against 1.4 s for 64 forwards (one thread; 0.45 against 1.0 on two). A
+        refused open gets its error in its place and the others go on. Returns each one's time in ns.
+        """
         t0 = time.perf_counter_ns()
-        check_session_id(spec.session_id)  # before the prefill, not after it
+        results: list[int | SpecdecError | None] = [None] * len(opens)
+        ready = []  # (index, session id, session, prompt ids)
+        reserving = 0  # what the batch's earlier opens reserve: they count against the budget too
         context = self.loaded.context_length
-        validate_prompt(spec.prompt_ids, self.loaded.vocab_size, context)
-        reserve = context if max_new_tokens is None else min(context, len(spec.prompt_ids) + max_new_tokens)
-        self._check_kv_budget(reserve)
-        session = _Session(KVSequence(self.loaded.model, self.decoder, self.runner), list(spec.prompt_ids), spec.sampling, reserve)
-        if stored:
-            n = len(stored) * self.layout.block_tokens
-            session.kv.load_prefix(spec.prompt_ids[:n], torch.cat(list(stored), dim=3))
-            session.blocks_written = len(stored)
-        before = session.kv.cached_len
+        for i, (spec, max_new_tokens, stored) in enumerate(opens):
+            try:  # every check before the prefill, not after it
+                self.sessions.check_can_add(spec.session_id, adding=len(ready))
+                validate_prompt(spec.prompt_ids, self.loaded.vocab_size, context)
+                if any(spec.session_id == sid for _, sid, _, _ in ready):
+                    raise SessionAlreadyOpen("a session is opened at most once per prefill batch")
+                reserve = context if max_new_tokens is None else min(context, len(spec.prompt_ids) + max_new_tokens)
+                self._check_kv_budget(reserve, reserving)
+            except SpecdecError as exc:
+                results[i] = exc
+                continue
+            reserving += reserve
+            session = _Session(KVSequence(self.loaded.model, self.decoder, self.runner), list(spec.prompt_ids), spec.sampling, reserve)
+            if stored:
+                n = len(stored) * self.layout.block_tokens
+                session.kv.load_prefix(spec.prompt_ids[:n], torch.cat(list(stored), dim=3))
+                session.blocks_written = len(stored)
+            ready.append((i, spec.session_id, session, spec.prompt_ids))
         # Prefill all but the last prompt token's successor: the first Verify feeds only drafts.
-        session.kv.logits_for(spec.prompt_ids, 1)
-        self.last_prefill_tokens = len(spec.prompt_ids) - before
-        self.sessions.add(spec.session_id, session)
-        return time.perf_counter_ns() - t0
+        self.last_prefill_tokens = sum(len(prompt) - session.kv.cached_len for _, _, session, prompt in ready)
+        logits_for_batch([(session.kv, prompt, 1) for _, _, session, prompt in ready])
+        elapsed = time.perf_counter_ns() - t0  # each open waited for the whole prefill
+        for i, session_id, session, _ in ready:
+            self.sessions.add(session_id, session)
+            results[i] = elapsed
+        return results
 
     def verify(self, session_id: str, proposal: DraftProposal) -> VerifyOutcome:
         """Check ``proposal`` against the session's committed tokens; commit what the rule keeps."""
@@ -245,9 +273,10 @@ class VerifierEngine:
     def kv_reserved_tokens(self) -> int:
         return sum(s.reserved_tokens for s in self.sessions.values())
 
-    def _check_kv_budget(self, reserve: int) -> None:
+    def _check_kv_budget(self, reserve: int, reserving: int = 0) -> None:
+        """``reserving``: tokens that opens of the same prefill batch, not yet in the table, reserve."""
         self.sessions.reap_idle()  # an expired session's reservation is free again
-        held, budget = self.kv_reserved_tokens(), self.kv_budget_tokens
+        held, budget = self.kv_reserved_tokens() + reserving, self.kv_budget_tokens
         if reserve > budget:
             raise KVBudgetFull(f"this session needs {reserve} KV tokens (prompt + max_new_tokens), more than this verifier's "
                                f"whole budget of {budget}: ask for fewer tokens", ever_fits=False)
@@ -285,6 +314,8 @@ class AsyncVerifierEngine:
         self.threads = threads
         self._waiting: collections.deque[tuple[str, DraftProposal, asyncio.Future]] = collections.deque()
         self._batcher: asyncio.Task | None = None
+        self._opens: collections.deque[tuple[SessionSpec, int | None, Sequence[torch.Tensor], asyncio.Future]] = collections.deque()
+        self._prefiller: asyncio.Task | None = None
         self._arrived = asyncio.Event()
         self._freed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None  # set by verify(): where the KV writer runs
@@ -305,7 +336,7 @@ class AsyncVerifierEngine:
         closing_wait = loop.time() + 2.0
         while True:
             try:
-                opened = await self._run(self._timed, len(spec.prompt_ids), self.engine.open, spec, max_new_tokens, stored)
+                opened = await self._prefill(spec, max_new_tokens, stored)
                 # The gap before the next batch holds this prefill (and a client's turnaround), not
                 # decoding: it is no cycle for the cost model (it made one draft token look 7 ms dear).
                 self._last_batch_end = None
@@ -329,6 +360,40 @@ class AsyncVerifierEngine:
                     await asyncio.wait_for(self._freed.wait(), left)
                 except asyncio.TimeoutError:
                     pass  # one last try, then the error says why
+
+    async def _prefill(self, spec: SessionSpec, max_new_tokens: int | None, stored: Sequence[torch.Tensor]) -> int:
+        """Queue the open for the next prefill batch: the opens that arrive while one prefill runs
+        go together in the next (64 clients at once: 2 forwards, not 64)."""
+        done = asyncio.get_running_loop().create_future()
+        self._opens.append((spec, max_new_tokens, stored, done))
+        if self._prefiller is None or self._prefiller.done():
+            self._prefiller = asyncio.ensure_future(self._prefills())
+        result = await done
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def _prefills(self) -> None:
+        budget = self.engine.config.max_prefill_tokens
+        while self._opens:
+            batch, tokens = [], 0
+            while self._opens and (not batch or tokens + len(self._opens[0][0].prompt_ids) <= budget):
+                item = self._opens.popleft()
+                if not item[3].done():  # an open whose request was cancelled while it waited
+                    batch.append(item)
+                    tokens += len(item[0].prompt_ids)
+            if not batch:
+                continue
+            try:
+                results = await self._run(self._timed, tokens, self.engine.open_batch, [item[:3] for item in batch])
+            except BaseException as exc:  # a bug in the forward, or shutdown: every open of the batch hears it
+                results = [exc] * len(batch)
+            # (An open cancelled during its prefill is closed by its loop's release, queued behind it.)
+            for item, result in zip(batch, results):
+                if not item[3].done():
+                    item[3].set_result(result)
+            if any(isinstance(r, asyncio.CancelledError) for r in results):
+                raise asyncio.CancelledError
 
     async def verify(self, session_id: str, proposal: DraftProposal) -> VerifyOutcome:
         self._loop = asyncio.get_running_loop()
