@@ -173,7 +173,8 @@ class SpeculationController:
         self._rejected = prior_rejected
         self._prior = (prior_accepted, prior_rejected)
         self._decay = decay
-        self._k = policy.num_speculative_tokens
+        self._k = policy.num_speculative_tokens  # the k last worked out
+        self._stale = False  # observed since: next_k works it out again
         self._overlap = policy.overlap
         chooses = policy.mode is SpeculationMode.ADAPTIVE and policy.overlap
         self._models = {True: StepCostModel(), False: StepCostModel()} if chooses else {policy.overlap: StepCostModel()}
@@ -192,6 +193,8 @@ class SpeculationController:
         return self._models[self._overlap]
 
     def next_k(self) -> int:
+        if self._stale:  # worked out when asked: under load the cap often decides without it
+            self._k, self._stale = self._best_k(self.costs)[0], False
         return self._k
 
     @property
@@ -225,7 +228,7 @@ class SpeculationController:
             self._rejected += IDLE_RELAX * (b0 - self._rejected)
         if len(self._models) == 2:
             self._choose_mode()
-        self._k = self._best_k(self.costs)[0]
+        self._stale = True
 
     def _step_mode(self) -> bool | None:
         if not self._sent:

@@ -101,5 +101,5 @@ def test_alone_the_load_cap_leaves_k_to_the_request():
         engine = SimpleNamespace(batch_costs=costs, open_sessions=sessions, shares_model_thread=False)
         return VerifierLoop(engine, run, lambda run: None, 512)
 
-    assert loop(1)._under_load(3) == 3  # its own step-time model already weighed what a draft costs it
-    assert loop(8)._under_load(3) == 0  # in company, a draft token must pay for the whole batch
+    assert loop(1)._next_k() == 4  # its own k: its step-time model already weighed what a draft costs it
+    assert loop(8)._next_k() == 0  # in company, a draft token must pay for the whole batch

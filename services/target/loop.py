@@ -77,7 +77,7 @@ class VerifierLoop:
             if isinstance(opened[0], BaseException):
                 raise opened[0]
             self.link = opened[1] if not isinstance(opened[1], BaseException) else None
-            self.state.k = self._cap(self._under_load(self.controller.next_k()))
+            self.state.k = self._cap(self._next_k())
             self._tell_drafter(())
             while True:
                 commit = await self._step()
@@ -116,24 +116,26 @@ class VerifierLoop:
         except asyncio.TimeoutError:
             log.warning("session %s: closing took over %.0fs", short_id(session_id), self.config.close_timeout_s)
 
-    def _under_load(self, k: int) -> int:
-        """Adaptive requests: no more drafts than pay for what they cost the batch (core/goodput.py)."""
+    def _next_k(self) -> int:
+        """The request's k, for adaptive requests no more drafts than pay for what they cost the batch (core/goodput.py)."""
         costs = getattr(self.engine, "batch_costs", None)
         policy = self.run.policy
         if costs is None or policy.mode is not SpeculationMode.ADAPTIVE:
-            return k
+            return self.controller.next_k()
         if getattr(self.engine, "open_sessions", 2) <= 1:
             # Alone, what a draft token costs the batch is what it costs this request, which its
             # own step-time model already weighs (the batch-wide fit, which also charges a block's
             # fixed cost to each of its tokens, cut one session's k to 0 or 1 where k = 2-3 paid).
-            return k
+            return self.controller.next_k()
         mine = self.controller.costs
         # Drafting costs the batch what it adds to this session's steps: the blocks it waited for.
         per_token = costs.per_row_s + mine.miss.get(1.0) * mine.draft_per_token.get(costs.draft_per_token_s)
         fitted = costs.draft_token_cost_s  # what drafts were seen to cost the batch's cycles, all effects in
         if fitted is not None:
             per_token = max(per_token, fitted)
-        return min(k, load_cap(self.controller.alpha, per_token, costs.goodput_tokens_per_s, policy.max_speculative_tokens))
+        cap = load_cap(self.controller.alpha, per_token, costs.goodput_tokens_per_s, policy.max_speculative_tokens)
+        # (The cap first: under load it is often 0, and the request's own best k is then not needed.)
+        return min(cap, self.controller.next_k()) if cap > 0 else 0
 
     def _cap(self, k: int) -> int:
         """No more drafts than the request and the context have room for (the step adds one token)."""
@@ -197,7 +199,7 @@ class VerifierLoop:
         if metrics is not None:  # the draft wait only means something while a drafter is linked
             metrics.observe_round(drafted, outcome.num_accepted, t_block - t0 if self.link is not None else None)
         if not finished:
-            s.k = self._cap(self._under_load(self.controller.next_k()))
+            s.k = self._cap(self._next_k())
             self._tell_drafter(outcome.token_ids)
         return StepCommit(tokens, drafted, outcome.num_accepted, len(s.committed), outcome.verify_time_ns,
                           int((t_block - t0) * 1e9), predrafted, finished)
