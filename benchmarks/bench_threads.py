@@ -7,10 +7,6 @@
 2. A sequential speculation step (3 draft tokens, then a verification of 4 rows): drafter and
    verifier on one thread, taking turns, against a thread each that hand over with an event (the
    embedded path before `DraftEngine.submit`), each at 1 thread and at every core.
-3. A 64-session forward at every core while another thread runs a burst of pure Python as long as
-   the event loop's work between two 64-session batches (~6.5 ms), against the two in turn: what
-   running the next forward during that work would save (the Python holds the GIL the forward's
-   own Python needs).
 
 ``--busy``: the same with another process spinning on a core, as a neighbour on a shared machine
 does. Why core/threads.py chooses the count by measurement: every core wins on a quiet machine and
@@ -52,9 +48,6 @@ def main() -> int:
     drf = LlamaDecoder(AutoModelForCausalLM.from_pretrained(args.draft).eval())
     neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
     try:
-        # First, while this thread has run no parallel region: its OpenMP team beside the worker's
-        # would make libgomp throttle both (the trap described in core/threads.py's callers).
-        beside = forward_beside_python(tgt, cores, (0.0, 3.0, 6.5), args.reps)
         info = machine()
         print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}; "
               f"{'a busy neighbour process' if args.busy else 'quiet'}; counts 1 and {cores}")
@@ -75,10 +68,6 @@ def main() -> int:
             print(f"{b:>4} {one:9.2f} {many:10.2f} {one / many:6.2f}")
             for c in caches:
                 c.free()
-        print(f"\n64-session forward at {cores} threads beside a burst of Python on another thread, median ms")
-        print(f"  no burst: forward {beside[0.0]:6.2f}")
-        for burst_ms in (3.0, 6.5):
-            print(f"  burst {burst_ms:4.1f} ms: forward {beside[burst_ms]:6.2f}, against {beside[0.0] + burst_ms:6.2f} in turn")
         tc, dc = tgt.new_cache(), drf.new_cache()
         tgt.forward(tc, list(range(5, 105)), 0, 1)
         drf.forward(dc, list(range(5, 105)), 0, 1)
@@ -91,42 +80,6 @@ def main() -> int:
         if neighbour is not None:
             neighbour.kill()
     return 0
-
-
-def forward_beside_python(tgt, count: int, bursts_ms: tuple[float, ...], reps: int, sessions: int = 64) -> dict[float, float]:
-    """Median ms of a decode forward of ``sessions`` sessions at ``count`` threads, on one worker
-    thread, while this thread spins in Python for each of ``bursts_ms``."""
-    caches = [tgt.new_cache() for _ in range(sessions)]
-    for c in caches:
-        tgt.forward(c, list(range(5, 105)), 0, 1)
-    go, done = threading.Semaphore(0), threading.Semaphore(0)
-    times: list[float] = []
-
-    def worker() -> None:
-        torch.set_num_threads(count)
-        for _ in range(reps * len(bursts_ms)):
-            go.acquire()
-            t = time.perf_counter()
-            tgt.forward_batch(caches, [[7]] * sessions, [100] * sessions, [1] * sessions)
-            times.append(time.perf_counter() - t)
-            done.release()
-
-    thread = threading.Thread(target=worker)
-    thread.start()
-    out = {}
-    for burst_ms in bursts_ms:
-        times.clear()
-        for _ in range(reps):
-            go.release()
-            end = time.perf_counter() + burst_ms / 1e3
-            while time.perf_counter() < end:
-                sum(range(50))
-            done.acquire()
-        out[burst_ms] = statistics.median(times[3:]) * 1e3
-    thread.join()
-    for c in caches:
-        c.free()
-    return out
 
 
 def step(tgt, drf, tc, dc, count: int, one_thread: bool, reps: int) -> float:
