@@ -117,9 +117,10 @@ class VerifierEngine:
     def open_batch(self, opens: Sequence[tuple[SessionSpec, int | None, Sequence[torch.Tensor]]]) -> list[int | SpecdecError]:
         """Prefill many sessions in one target forward: (spec, max_new_tokens, stored) each, as `open`.
 
-        A prefill is bound by arithmetic, not by reading weights, yet one forward over 64 prompts
-        measured 0.8 s against 1.4 s for 64 forwards (one thread; 0.45 against 1.0 on two). A
-        refused open gets its error in its place and the others go on. Returns each one's time in ns.
+        A prefill is bound by arithmetic rather than by reading weights, yet one forward over 64
+        prompts measured 0.87 s against 1.47 s for 64 forwards on one thread, 0.47 against 0.98 on
+        two (benchmarks/bench_prefill.py). A refused open gets its error in its place and the others
+        go on. Returns each one's time in ns (the whole batch's: each waited for all of it).
         """
         t0 = time.perf_counter_ns()
         results: list[int | SpecdecError | None] = [None] * len(opens)
