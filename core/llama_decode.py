@@ -9,7 +9,8 @@ forward instead:
   (q.k is unchanged, because q and k get the same permutation);
 - oneDNN-packed weights where PyTorch has them. MKL's small-M GEMM is slow on this CPU kind
   (a 384x2048 linear: 0.08 ms for 1 row, 0.19 ms for 5); oneDNN with a prepacked weight runs 5 rows
-  in about the time of one, which is what makes verifying k drafts cost little more than one step;
+  in about the time of one, which is what makes verifying k drafts cost little more than one step.
+  Single rows go to whichever kernel measured faster at load (`_ByRows`: MKL's GEMV on an Intel Xeon);
 - every sequence's KV in a slot of a shared slab (core/kv_slots.py), so a batch attends slab by
   slab, and logits only for the rows asked for
   (a prefill needs one row, not 500).
@@ -22,6 +23,7 @@ Supported: ``LlamaForCausalLM`` with default RoPE, no attention/MLP bias, SiLU.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -80,9 +82,31 @@ def _onednn_linear(weight: torch.Tensor, rows_hint: int) -> Linear | None:
         return None
 
 
-def make_linear(weight: torch.Tensor, rows_hint: int | None) -> Linear:
-    """``x @ weight.T``: oneDNN-packed for about ``rows_hint`` rows when possible, else ``F.linear``."""
-    return (_onednn_linear(weight, rows_hint) if rows_hint else None) or _plain_linear(weight)
+class _ByRows:
+    """A packed linear that hands single rows to ``F.linear`` where that measured faster (MKL's
+    GEMV beats the packed kernel at one row on some CPUs: an Intel Xeon here, 5.8 against 7.4 ms for
+    a demo target forward's linears, while at 4 rows and up the packed one wins). Holds both copies
+    of the weight only while single rows go to ``F.linear``."""
+
+    __slots__ = ("packed", "weight", "single_plain")
+
+    def __init__(self, packed: Linear, weight: torch.Tensor) -> None:
+        self.packed, self.weight, self.single_plain = packed, weight, False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.single_plain and x.shape[0] == 1:
+            return F.linear(x, self.weight)
+        return self.packed(x)
+
+
+def single_rows_plain(plain_s: list[float], packed_s: list[float]) -> bool:
+    """Whether single rows should go to ``F.linear``: its median time at least 5% under the packed kernel's."""
+    return median(plain_s) < 0.95 * median(packed_s)
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
 
 
 def _rotary_pairs_adjacent(weight: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -102,7 +126,10 @@ class LlamaDecoder:
     the verifier accepts) and a target only when that target is then always run in bf16.
     """
 
-    def __init__(self, model: torch.nn.Module, pack_rows: int | None = PACK_ROWS, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, model: torch.nn.Module, pack_rows: int | None = PACK_ROWS, dtype: torch.dtype = torch.float32,
+                 single_row: str = "measure") -> None:
+        """``single_row``: which kernel runs one-row calls of packed weights: "measure" (time both
+        at load, keep the faster), "packed" or "plain" (F.linear)."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama; use the HF forward")
         if dtype not in (torch.float32, torch.bfloat16):
@@ -124,7 +151,9 @@ class LlamaDecoder:
                 return w.detach().to(dtype).contiguous()
 
             def linear(w: torch.Tensor) -> Linear:
-                return make_linear(cast(w), pack_rows)
+                w = cast(w)
+                packed = _onednn_linear(w, pack_rows) if pack_rows else None
+                return _ByRows(packed, w) if packed is not None else _plain_linear(w)
 
             self.embed = cast(base.embed_tokens.weight)
             self.lm_head = linear(model.lm_head.weight)
@@ -151,6 +180,38 @@ class LlamaDecoder:
             angles = torch.outer(torch.arange(self.context_length, dtype=torch.float32), inv_freq)  # [context, d/2]
             self.rotary = torch.polar(torch.ones_like(angles), angles)[:, None, :]  # [context, 1, d/2] complex64
         self.pool = SlotPool(len(self.layers), self.n_kv, self.context_length, self.head_dim, dtype)
+        self.single_row_plain = self._choose_single_row_kernel(single_row)
+
+    def _by_rows(self) -> list[_ByRows]:
+        linears = [self.lm_head] + [f for layer in self.layers for f in (layer[1], layer[2], layer[4], layer[5])]
+        return [f for f in linears if isinstance(f, _ByRows)]
+
+    @torch.inference_mode()
+    def _choose_single_row_kernel(self, how: str) -> bool:
+        """Time every packed linear at one row both ways (alternated) and keep the faster; drop the copy not needed."""
+        if how not in ("measure", "packed", "plain"):
+            raise ValueError(f"single_row must be measure, packed or plain; got {how!r}")
+        linears = self._by_rows()
+        if not linears:
+            return False
+        if how == "measure":
+            rows = {f.weight.shape[1]: torch.zeros(1, f.weight.shape[1], dtype=self.dtype) for f in linears}
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for rep in range(9):
+                for plain in (True, False):
+                    t = time.perf_counter()
+                    for f in linears:
+                        F.linear(rows[f.weight.shape[1]], f.weight) if plain else f.packed(rows[f.weight.shape[1]])
+                    if rep >= 2:  # the first calls warm up
+                        times[plain].append(time.perf_counter() - t)
+            plain = single_rows_plain(times[True], times[False])
+        else:
+            plain = how == "plain"
+        for f in linears:
+            f.single_plain = plain
+            if not plain:
+                f.weight = None  # one copy of the weights, the packed one
+        return plain
 
     def new_cache(self) -> DecodeCache:
         """A slot of this decoder's pool (core/kv_slots.py): batches of pooled caches attend together."""
