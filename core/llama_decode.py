@@ -23,6 +23,7 @@ Supported: ``LlamaForCausalLM`` with default RoPE, no attention/MLP bias, SiLU.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 
@@ -101,12 +102,7 @@ class _ByRows:
 
 def single_rows_plain(plain_s: list[float], packed_s: list[float]) -> bool:
     """Whether single rows should go to ``F.linear``: its median time at least 5% under the packed kernel's."""
-    return median(plain_s) < 0.95 * median(packed_s)
-
-
-def median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
+    return statistics.median(plain_s) < 0.95 * statistics.median(packed_s)
 
 
 def _rotary_pairs_adjacent(weight: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:

@@ -20,6 +20,9 @@ from specdec.core.sampling import SamplingParams
 from specdec.core.speculation import SpeculationPolicy
 
 MAX_STEP_TOKENS = 65  # 64 draft tokens (the speculation length's cap) and the recovered or bonus token
+# Prompt tokens per batched prefill forward, at the verifier and at the drafter (its attention's
+# padded mask grows with sessions x longest prompt x context).
+MAX_PREFILL_TOKENS = 4096
 MAX_DISTRIBUTION_ENTRIES = 1024  # a draft token's sent distribution: its top-K (32 by default), never the vocabulary
 MAX_FALLBACK_DRAFTERS = 8  # other drafters a session may move to (SessionRun.fallback_drafters)
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from specdec.core.errors import SessionNotFound
 from specdec.core.session_table import SessionTable
 from specdec.core.sessions import check_session_id
-from specdec.core.steps import DraftBlock, SessionSpec, StepOutcome, WorkerInfo, validate_prompt
+from specdec.core.steps import MAX_PREFILL_TOKENS, DraftBlock, SessionSpec, StepOutcome, WorkerInfo, validate_prompt
 from specdec.draft.drafters import DraftConfig, Drafter, build_drafters, pick
 from specdec.draft.speculator import JUST_IN_TIME, NUM_ALTERNATIVES, SessionSpeculator, Work
 
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Emit = Callable[[DraftBlock], None]
-MAX_PREFILL_TOKENS = 4096  # prompt tokens per batched prefill forward (as the verifier's max_prefill_tokens)
 
 
 class DraftEngine:
@@ -231,10 +230,10 @@ class DraftEngine:
             return
         try:
             t0 = time.perf_counter_ns()
-            if len(opens) > 1:
-                sessions = drafter.open_many([(spec.prompt_ids, spec.sampling) for spec, _, _ in opens])  # the prefills
-            else:
-                sessions = [drafter.open(opens[0][0].prompt_ids, opens[0][0].sampling)]
+            if hasattr(drafter, "open_many"):  # the prefills, in one forward
+                sessions = drafter.open_many([(spec.prompt_ids, spec.sampling) for spec, _, _ in opens])
+            else:  # (only model drafters are grouped: this is one open)
+                sessions = [drafter.open(spec.prompt_ids, spec.sampling) for spec, _, _ in opens]
             elapsed = time.perf_counter_ns() - t0
         except BaseException as exc:
             with self._lock:

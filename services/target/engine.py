@@ -23,7 +23,7 @@ from specdec.core.runner import runner_for
 from specdec.core.rejection import greedy_verify, rejection_sample
 from specdec.core.sampling import SamplingParams, probs_from_logits
 from specdec.core.session_table import SessionTable
-from specdec.core.steps import DraftProposal, SessionSpec, VerifyOutcome, WorkerInfo, check_room, dense_draft_probs, validate_prompt
+from specdec.core.steps import MAX_PREFILL_TOKENS, DraftProposal, SessionSpec, VerifyOutcome, WorkerInfo, check_room, dense_draft_probs, validate_prompt
 from specdec.core.threads import ThreadChooser
 
 if TYPE_CHECKING:
@@ -63,9 +63,8 @@ class TargetConfig:
     # loop): wait this long at most for every open session to be ready, so a batch is not split in
     # two halves that alternate. One session alone never waits (it is all the open sessions).
     batch_wait_s: float = 0.003
-    # Opens that arrive while a prefill runs are prefilled together, up to this many prompt tokens
-    # per forward (its attention's padded mask grows with sessions x longest prompt x context).
-    max_prefill_tokens: int = 4096
+    # Opens that arrive while a prefill runs are prefilled together, up to this many prompt tokens per forward.
+    max_prefill_tokens: int = MAX_PREFILL_TOKENS
 
 
 class KVBudgetFull(Overloaded):
@@ -369,10 +368,7 @@ class AsyncVerifierEngine:
         self._opens.append((spec, max_new_tokens, stored, done))
         if self._prefiller is None or self._prefiller.done():
             self._prefiller = asyncio.ensure_future(self._prefills())
-        result = await done
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return await done
 
     async def _prefills(self) -> None:
         budget = self.engine.config.max_prefill_tokens
@@ -391,8 +387,9 @@ class AsyncVerifierEngine:
                 results = [exc] * len(batch)
             # (An open cancelled during its prefill is closed by its loop's release, queued behind it.)
             for item, result in zip(batch, results):
-                if not item[3].done():
-                    item[3].set_result(result)
+                done = item[3]
+                if not done.done():
+                    done.set_exception(result) if isinstance(result, BaseException) else done.set_result(result)
             if any(isinstance(r, asyncio.CancelledError) for r in results):
                 raise asyncio.CancelledError
 
