@@ -10,7 +10,8 @@ forward instead:
 - oneDNN-packed weights where PyTorch has them. MKL's small-M GEMM is slow on this CPU kind
   (a 384x2048 linear: 0.08 ms for 1 row, 0.19 ms for 5); oneDNN with a prepacked weight runs 5 rows
   in about the time of one, which is what makes verifying k drafts cost little more than one step.
-  Single rows go to whichever kernel measured faster at load (`_ByRows`: MKL's GEMV on an Intel Xeon);
+  single rows, and calls of a few rows, go to whichever kernel measured fastest at load
+  (`_Layouts`: MKL's GEMM on a transposed copy at one row on an Intel Xeon);
 - every sequence's KV in a slot of a shared slab (core/kv_slots.py), so a batch attends slab by
   slab, and logits only for the rows asked for
   (a prefill needs one row, not 500).
@@ -83,26 +84,52 @@ def _onednn_linear(weight: torch.Tensor, rows_hint: int) -> Linear | None:
         return None
 
 
-class _ByRows:
-    """A packed linear that hands single rows to ``F.linear`` where that measured faster (MKL's
-    GEMV beats the packed kernel at one row on some CPUs: an Intel Xeon here, 5.8 against 7.4 ms for
-    a demo target forward's linears, while at 4 rows and up the packed one wins). Holds both copies
-    of the weight only while single rows go to ``F.linear``."""
+KERNELS = ("packed", "plain", "transposed")
+MEASURE_ROWS = 4  # the rows of a k = 3 verification: what "more rows" is timed at
 
-    __slots__ = ("packed", "weight", "single_plain")
+
+class _Layouts:
+    """One weight, in the layouts its calls use, and which kernel runs single-row calls (``one``)
+    and calls of more rows (``many``): "packed" (oneDNN, prepacked), "plain" (``F.linear`` on the
+    [out, in] weight) or "transposed" (``torch.mm`` on an [in, out] copy: MKL's GEMM without a
+    transposed operand, which on an Intel Xeon here ran a demo target forward's linears at one row in
+    4.3 ms against 6.1 plain and 7.4 packed on one thread, and 2.0 against 3.5 and 4.6 on two).
+    Layouts no chosen kernel uses are dropped, so at most two copies of the weight stay."""
+
+    __slots__ = ("packed", "weight", "transposed", "one", "many")
 
     def __init__(self, packed: Linear, weight: torch.Tensor) -> None:
-        self.packed, self.weight, self.single_plain = packed, weight, False
+        self.packed, self.weight, self.transposed = packed, weight, weight.t().contiguous()
+        self.one = self.many = packed
+
+    def kernel(self, name: str) -> Linear:
+        if name == "packed":
+            return self.packed
+        if name == "plain":
+            weight = self.weight
+            return lambda x: F.linear(x, weight)
+        transposed = self.transposed
+        return lambda x: torch.mm(x, transposed)
+
+    def use(self, one: str, many: str) -> None:
+        self.one, self.many = self.kernel(one), self.kernel(many)
+        kept = {one, many}
+        if "packed" not in kept:
+            self.packed = None
+        if "plain" not in kept:
+            self.weight = None
+        if "transposed" not in kept:
+            self.transposed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.single_plain and x.shape[0] == 1:
-            return F.linear(x, self.weight)
-        return self.packed(x)
+        return self.one(x) if x.shape[0] == 1 else self.many(x)
 
 
-def single_rows_plain(plain_s: list[float], packed_s: list[float]) -> bool:
-    """Whether single rows should go to ``F.linear``: its median time at least 5% under the packed kernel's."""
-    return statistics.median(plain_s) < 0.95 * statistics.median(packed_s)
+def fastest(times: dict[str, list[float]], default: str = "packed") -> str:
+    """The kernel with the lowest median time, if that is at least 5% under ``default``'s; else ``default``
+    (noise alone should not cost a second copy of the weights)."""
+    best = min(times, key=lambda name: statistics.median(times[name]))
+    return best if statistics.median(times[best]) < 0.95 * statistics.median(times[default]) else default
 
 
 def _rotary_pairs_adjacent(weight: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -123,9 +150,10 @@ class LlamaDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, pack_rows: int | None = PACK_ROWS, dtype: torch.dtype = torch.float32,
-                 single_row: str = "measure") -> None:
-        """``single_row``: which kernel runs one-row calls of packed weights: "measure" (time both
-        at load, keep the faster), "packed" or "plain" (F.linear)."""
+                 single_row: str = "measure", multi_row: str = "measure") -> None:
+        """``single_row``: the kernel for one-row calls of packed weights, one of `KERNELS` or
+        "measure" (time them all at load, keep the fastest); ``multi_row``: the same for calls of
+        more rows ("packed", "transposed" or "measure")."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama; use the HF forward")
         if dtype not in (torch.float32, torch.bfloat16):
@@ -149,7 +177,7 @@ class LlamaDecoder:
             def linear(w: torch.Tensor) -> Linear:
                 w = cast(w)
                 packed = _onednn_linear(w, pack_rows) if pack_rows else None
-                return _ByRows(packed, w) if packed is not None else _plain_linear(w)
+                return _Layouts(packed, w) if packed is not None else _plain_linear(w)
 
             self.embed = cast(base.embed_tokens.weight)
             self.lm_head = linear(model.lm_head.weight)
@@ -176,38 +204,42 @@ class LlamaDecoder:
             angles = torch.outer(torch.arange(self.context_length, dtype=torch.float32), inv_freq)  # [context, d/2]
             self.rotary = torch.polar(torch.ones_like(angles), angles)[:, None, :]  # [context, 1, d/2] complex64
         self.pool = SlotPool(len(self.layers), self.n_kv, self.context_length, self.head_dim, dtype)
-        self.single_row_plain = self._choose_single_row_kernel(single_row)
+        self.kernels = self._choose_kernels(single_row, multi_row)
 
-    def _by_rows(self) -> list[_ByRows]:
+    def _layouts(self) -> list[_Layouts]:
         linears = [self.lm_head] + [f for layer in self.layers for f in (layer[1], layer[2], layer[4], layer[5])]
-        return [f for f in linears if isinstance(f, _ByRows)]
+        return [f for f in linears if isinstance(f, _Layouts)]
 
     @torch.inference_mode()
-    def _choose_single_row_kernel(self, how: str) -> bool:
-        """Time every packed linear at one row both ways (alternated) and keep the faster; drop the copy not needed."""
-        if how not in ("measure", "packed", "plain"):
-            raise ValueError(f"single_row must be measure, packed or plain; got {how!r}")
-        linears = self._by_rows()
+    def _choose_kernels(self, single_row: str, multi_row: str) -> tuple[str, str]:
+        """The kernels for single-row calls and for more rows, each timed over every linear of a
+        forward (candidates alternated, at the torch thread count in force) unless given; every
+        layout the two do not use is dropped. Returns (single-row kernel, multi-row kernel)."""
+        if single_row not in ("measure", *KERNELS):
+            raise ValueError(f"single_row must be measure, packed, plain or transposed; got {single_row!r}")
+        if multi_row not in ("measure", "packed", "transposed"):
+            raise ValueError(f"multi_row must be measure, packed or transposed; got {multi_row!r}")
+        linears = self._layouts()
         if not linears:
-            return False
-        if how == "measure":
-            rows = {f.weight.shape[1]: torch.zeros(1, f.weight.shape[1], dtype=self.dtype) for f in linears}
-            times: dict[bool, list[float]] = {True: [], False: []}
-            for rep in range(9):
-                for plain in (True, False):
-                    t = time.perf_counter()
-                    for f in linears:
-                        F.linear(rows[f.weight.shape[1]], f.weight) if plain else f.packed(rows[f.weight.shape[1]])
-                    if rep >= 2:  # the first calls warm up
-                        times[plain].append(time.perf_counter() - t)
-            plain = single_rows_plain(times[True], times[False])
-        else:
-            plain = how == "plain"
+            return "plain", "plain"
+        one = single_row if single_row != "measure" else self._time_kernels(linears, 1, KERNELS)
+        many = multi_row if multi_row != "measure" else self._time_kernels(linears, MEASURE_ROWS, ("packed", "transposed"))
         for f in linears:
-            f.single_plain = plain
-            if not plain:
-                f.weight = None  # one copy of the weights, the packed one
-        return plain
+            f.use(one, many)
+        return one, many
+
+    def _time_kernels(self, linears: list[_Layouts], rows: int, names: tuple[str, ...]) -> str:
+        inputs = {f.weight.shape[1]: torch.zeros(rows, f.weight.shape[1], dtype=self.dtype) for f in linears}
+        kernels = {name: [(f.kernel(name), inputs[f.weight.shape[1]]) for f in linears] for name in names}
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for rep in range(9):
+            for name in names:
+                t = time.perf_counter()
+                for run, x in kernels[name]:
+                    run(x)
+                if rep >= 2:  # the first calls warm up
+                    times[name].append(time.perf_counter() - t)
+        return fastest(times)
 
     def new_cache(self) -> DecodeCache:
         """A slot of this decoder's pool (core/kv_slots.py): batches of pooled caches attend together."""

@@ -73,30 +73,39 @@ def test_lean_cache_grows_past_its_first_allocation_and_matches_hf(pack_rows):
         dec.forward(cache, ids + ids[:51], 0)
 
 
-@pytest.mark.parametrize("single_row", ["packed", "plain", "measure"])
-def test_single_rows_on_either_kernel_match_hf_one_token_at_a_time_and_in_blocks(model, single_row):
-    """Single-row calls of packed weights go to F.linear where it measured faster (some CPUs): the
-    numbers stay the HF forward's either way, one token per step or several (the packed kernel)."""
-    dec = LlamaDecoder(model, single_row=single_row)
+@pytest.mark.parametrize("single_row,multi_row", [("packed", "packed"), ("plain", "packed"), ("transposed", "packed"),
+                                                   ("plain", "transposed"), ("measure", "measure")])
+def test_every_kernel_matches_hf_one_token_at_a_time_and_in_blocks(model, single_row, multi_row):
+    """Single-row calls and calls of more rows each go to the kernel that measured fastest (or the
+    one asked for): the numbers stay the HF forward's whichever runs, one token per step or
+    several, and only the layouts the chosen kernels use are kept."""
+    dec = LlamaDecoder(model, single_row=single_row, multi_row=multi_row)
     ids = [(i * 13) % 97 for i in range(40)]
     kv = KVSequence(model, dec)
     kv.logits_for(ids[:10], 1)
     steps = [kv.logits_for(ids[:end], 1) for end in range(11, 25)] + [kv.logits_for(ids[:40], 16)]
     assert torch.allclose(torch.cat(steps), full_logits(model, ids)[10:], atol=1e-5)
+    one, many = dec.kernels
     if single_row != "measure":
-        assert dec.single_row_plain is (single_row == "plain")
-    if not dec.single_row_plain:  # one copy of the weights: the packed one
-        assert all(f.weight is None for f in dec._by_rows())
+        assert (one, many) == (single_row, multi_row)
+    for f in dec._layouts():
+        kept = {name for name, copy in (("packed", f.packed), ("plain", f.weight), ("transposed", f.transposed))
+                if copy is not None}
+        assert kept == {one, many}
 
 
-def test_a_single_row_kernel_is_chosen_by_its_measured_time():
-    from specdec.core.llama_decode import single_rows_plain
+def test_a_kernel_is_chosen_by_its_measured_time():
+    from specdec.core.llama_decode import fastest
 
-    assert single_rows_plain([5.8, 5.9, 9.0], [7.4, 7.3, 7.5])  # one slow sample does not decide
-    assert not single_rows_plain([7.2, 7.3, 7.1], [7.4, 7.3, 7.5])  # within 5%: keep one copy of the weights
-    with pytest.raises(ValueError, match="measure, packed or plain"):
-        LlamaDecoder(LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                  num_attention_heads=4, max_position_embeddings=64)).eval(), single_row="mkl")
+    assert fastest({"packed": [7.4, 7.3, 7.5], "plain": [5.8, 5.9, 9.0], "transposed": [6.3, 6.2, 6.4]}) == "plain"
+    assert fastest({"packed": [7.4, 7.3, 7.5], "transposed": [7.2, 7.3, 7.1]}) == "packed"  # within 5%: one copy
+    assert fastest({"packed": [7.4, 7.3, 7.5], "transposed": [5.0, 9.0, 9.1]}) == "packed"  # one fast sample does not decide
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, max_position_embeddings=64)).eval()
+    with pytest.raises(ValueError, match="measure, packed, plain or transposed"):
+        LlamaDecoder(tiny, single_row="mkl")
+    with pytest.raises(ValueError, match="multi_row must be measure, packed or transposed"):
+        LlamaDecoder(tiny, multi_row="plain")
 
 
 def test_lean_decoder_rejects_an_unsupported_dtype(model):
