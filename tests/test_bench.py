@@ -151,10 +151,22 @@ def test_concurrency_levels_run_every_mode_and_batch_sessions(tiny_pair, tmp_pat
     assert set(report["results"]) == {f"{n}/{m}" for n in (1, 3) for m in ("off", "k1", "adaptive")}
     for figures in report["results"].values():
         assert figures["tokens"] > 0 and figures["tokens_per_s"] > 0 and figures["itl_p99_ms"] >= figures["itl_p50_ms"]
+        assert figures["decode_tokens_per_s"] > 0
     assert report["results"]["1/off"]["mean_batch_sessions"] == 1.0
     assert report["results"]["3/off"]["mean_batch_sessions"] > 1.0  # three clients shared target forwards
     assert "adaptive_vs_best" in report["summary"]["3"]
     assert (tmp_path / "load.png").stat().st_size > 0
+
+
+def test_a_level_reports_its_decoding_rate_apart_from_its_prefills():
+    from specdec.bench_load import combine
+
+    # 4 sessions, each waited 1 s for its first token and then 10 ms per token: 400 tokens/s while decoding.
+    run = {"tokens": 400, "seconds": 2.0, "ttft_s": [1.0] * 4, "itl_s": [0.01] * 396, "mean_batch_sessions": 4.0}
+    figures = combine([run], 4)
+    assert figures["tokens_per_s"] == 200.0
+    assert figures["decode_tokens_per_s"] == pytest.approx(400.0)
+    assert figures["itl_mean_ms"] == pytest.approx(10.0)
 
 
 @pytest.mark.parametrize("flags", [["--concurrency", "1,x"], ["--concurrency", "0"], ["--concurrency", "1", "--modes", "k1,fast"],

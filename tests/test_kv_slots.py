@@ -55,6 +55,28 @@ def test_a_batch_over_slabs_holes_and_private_caches_matches_each_sequence_alone
             seqs[i] = seqs[i] + feeds[i]
 
 
+@pytest.mark.parametrize("rows", [1, 3], ids=["decode", "verify"])
+def test_full_slabs_with_equal_rows_in_any_order_match_each_sequence_alone(decoder, rows):
+    """Every slot of each slab in the batch with the same rows (a decode or a fixed-k verify step of
+    a full server), the batch in shuffled order: the case with no padding slots nor padded rows."""
+    rnd = random.Random(rows)
+    caches = [decoder.new_cache() for _ in range(8)]  # 2 full slabs of 4
+    seqs = [[rnd.randrange(VOCAB) for _ in range(rnd.randint(2, 30))] for _ in caches]
+    for cache, ids in zip(caches, seqs):
+        decoder.forward(cache, ids, 0, 1)
+    order = list(range(len(caches)))
+    for step in range(3):
+        poison(decoder.pool)
+        rnd.shuffle(order)
+        feeds = {i: [rnd.randrange(VOCAB) for _ in range(rows)] for i in order}
+        got = decoder.forward_batch([caches[i] for i in order], [feeds[i] for i in order],
+                                    [len(seqs[i]) for i in order], [rows] * len(order))
+        for i, logits in zip(order, got):
+            want = decoder.forward(decoder.private_cache(), seqs[i] + feeds[i], 0, rows)
+            torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4, msg=f"step {step}, sequence {i}")
+            seqs[i] = seqs[i] + feeds[i]
+
+
 def test_slots_come_back_when_a_cache_is_freed_or_dropped_and_are_reused_lowest_first(decoder):
     pool = decoder.pool
     a, b, c = decoder.new_cache(), decoder.new_cache(), decoder.new_cache()
