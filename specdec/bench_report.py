@@ -31,7 +31,8 @@ def report(config, results) -> dict:
         "config": {"target": config.target, "draft": config.draft, "prompts": len(config.prompts),
                    "prompt_source": config.prompt_source, "max_new_tokens": config.max_new_tokens, "k": list(config.ks),
                    "methods_filter": list(config.methods), "distributed": any(m.distributed for m in results.methods),
-                   "redis_url": config.redis_url, "threads": config.threads, "greedy": True},
+                   "redis_url": config.redis_url, "threads": config.threads,
+                   "draft_min_confidence": config.draft_min_confidence, "greedy": True},
         "outputs_identical": not results.mismatches, "mismatches": results.mismatches,
         "methods": rows, "prompts": list(config.prompts),
     }

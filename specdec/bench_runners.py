@@ -56,7 +56,8 @@ class Runners:
         self.orch = None
         if in_process:
             self.orch = roles.embedded(TargetConfig(config.target, threads=config.threads),
-                                       DraftConfig(config.draft, config.target, threads=config.threads),
+                                       DraftConfig(config.draft, config.target, threads=config.threads,
+                                                   min_confidence=config.draft_min_confidence),
                                        OrchestratorConfig(max_new_tokens_limit=max(2048, self.n)))
         self.address, self.channel, self.stub = address, None, None
 
@@ -153,7 +154,8 @@ class Deployment:
         with open(log, "wb") as f:
             proc = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--target", config.target, "--draft", config.draft,
                                      "--base-port", str(base), "--redis-url", config.redis_url,
-                                     "--threads", str(config.threads or 1)],
+                                     "--threads", str(config.threads or 1),
+                                     "--draft-min-confidence", str(config.draft_min_confidence)],
                                     stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         return cls(proc, f"127.0.0.1:{base}", log)
 

@@ -40,6 +40,17 @@ def model_path(flag: str | None, env: str, demo: str) -> str:
 
 
 # ----------------------------------------------------------------------------- arguments
+def _below_one(text: str) -> float:
+    """A probability in [0, 1), for argparse."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
+    return value
+
+
 def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool = True) -> None:
     if target:
         p.add_argument("--target", help=f"target model folder (default: ${ENV_TARGET} or the demo pair)")
@@ -53,6 +64,9 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
     if draft:
         p.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default="float32",
                        help="draft model precision on the lean path (bfloat16 needs a CPU with native bf16)")
+        p.add_argument("--draft-min-confidence", type=_below_one, default=0.0, metavar="P",
+                       help="end a draft block after a token the draft gives less than P probability (default 0: "
+                            "blocks of k; k is then an upper bound; never changes the output)")
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:
@@ -235,7 +249,8 @@ async def _generate_embedded(args) -> int:
     # machine, and 4-5x slower than one thread while another process keeps a core busy).
     threads = args.threads
     orch = roles.embedded(TargetConfig(target, threads=threads, fast_forward=fast),
-                          DraftConfig(draft, target, threads=threads, fast_draft_forward=fast, draft_dtype=args.draft_dtype),
+                          DraftConfig(draft, target, threads=threads, fast_draft_forward=fast, draft_dtype=args.draft_dtype,
+                                      min_confidence=args.draft_min_confidence),
                           OrchestratorConfig(default_drafter=args.drafter))
     t0 = time.perf_counter()
     ids: list[int] = []
@@ -342,7 +357,8 @@ async def _serve(args) -> int:
         draft = None if args.no_draft_model else model_path(args.draft, ENV_DRAFT, "draft")
         target = args.target or os.environ.get(ENV_TARGET)
         config = DraftConfig(draft, target, threads=args.threads, fast_draft_forward=not args.reference_forward,
-                             draft_dtype=args.draft_dtype, max_sessions=args.max_sessions,
+                             draft_dtype=args.draft_dtype, min_confidence=args.draft_min_confidence,
+                             max_sessions=args.max_sessions,
                              max_session_tokens=args.max_session_tokens)
         running, _ = await roles.start_draft(config, server, registry)
     elif args.role == "target":
@@ -409,7 +425,7 @@ def _up(args) -> int:
         env[ENV_API_KEYS_FILE] = str(Path(args.api_keys_file).resolve())
     if args.reference_forward:
         common += ["--reference-forward"]
-    common += ["--draft-dtype", args.draft_dtype]
+    common += ["--draft-dtype", args.draft_dtype, "--draft-min-confidence", str(args.draft_min_confidence)]
     ca_file = tls_dir = None
     if args.tls:
         import tempfile

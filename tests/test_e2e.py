@@ -68,6 +68,31 @@ async def test_greedy_equals_target_only_greedy(cluster, tiny_pair, drafter, k, 
         assert predrafted > 0, "overlap on, yet no step used a block drafted ahead: this test would not test overlap"
 
 
+@pytest.mark.parametrize("k", [8, None], ids=["k8", "adaptive"])
+async def test_blocks_that_end_where_the_draft_is_unsure_keep_greedy_output_exact(cluster, tiny_pair, k):
+    """With ``min_confidence`` a block is as long as the draft is sure (k only bounds it); what is
+    verified is still exactly what was drafted, so the output stays target-only greedy's."""
+    from specdec.core.models import load_causal_lm
+    from test_draft_confidence import median_confidence
+
+    target_path, draft_path = tiny_pair
+    drafter = cluster.draft.drafters["model"]
+    drafter.min_confidence = median_confidence(load_causal_lm(draft_path))
+    try:
+        lengths = set()
+        for prompt in prompts(20):
+            reply = await cluster.stub.Generate(request(prompt, k, "model"))
+            assert tuple(reply.token_ids) == reference_greedy(target_path, prompt, MAX_NEW), f"prompt {prompt!r}, k={k}"
+            record = await cluster.store.get(reply.session_id)
+            assert sum(record.step_ks) == reply.stats.draft_tokens
+            if k is not None and reply.stats.drafts:
+                lengths.add(reply.stats.draft_tokens / reply.stats.drafts)
+        if k is not None:
+            assert min(lengths) < k, "no block ended early: the threshold tests nothing"
+    finally:
+        drafter.min_confidence = 0.0
+
+
 async def test_draft_identical_to_target_accepts_every_token(twin_cluster):
     for prompt in prompts(5):
         reply = await twin_cluster.stub.Generate(request(prompt, 4, "model", max_new=30))

@@ -38,13 +38,14 @@ def truncate_top_k(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
 
 class ModelDraftSession:
     def __init__(self, model: torch.nn.Module, decoder: LlamaDecoder | None, sampling: SamplingParams, proposal_top_k: int,
-                 runner=None) -> None:
+                 runner=None, min_confidence: float = 0.0) -> None:
         self._kv = KVSequence(model, decoder, runner)  # the drafter's shared runner: sessions draft together
         # Sessions with the same key can draft in one batched forward (propose_together): those of
         # one drafter on the lean forward. None: one at a time.
         self.batch_key = runner if decoder is not None and runner is not None else None
         self._sampling = sampling
         self._top_k = proposal_top_k
+        self.min_confidence = min_confidence  # a block ends after a token the draft gives less probability
 
     def propose(self, committed: Sequence[int], num_speculative_tokens: int, num_alternatives: int = 0,
                 interrupt: Callable[[], bool] | None = None) -> DraftProposal:
@@ -60,13 +61,15 @@ class ModelDraftSession:
             if tokens and interrupt is not None and interrupt():
                 break
             logits = self._kv.logits_for(seq, 1)[0]  # [vocab]
-            token, dist, alt = self._pick(logits, len(seq), num_alternatives)
+            token, dist, alt, confidence = self._pick(logits, len(seq), num_alternatives)
             if dist is not None:
                 dists.append(dist)
             if num_alternatives:
                 alternatives.append(alt)
             tokens.append(token)
             seq.append(token)
+            if confidence < self.min_confidence:
+                break
         distributions = tuple(dists) if dists else None
         return DraftProposal(tuple(tokens), distributions, time.perf_counter_ns() - t0, tuple(alternatives))
 
@@ -75,28 +78,35 @@ class ModelDraftSession:
         return gumbel_noise(self._sampling.seed, positions, vocab) if self._sampling.coupled else None
 
     def _pick(self, logits: torch.Tensor, position: int, num_alternatives: int,
-              noise: torch.Tensor | None = None) -> tuple[int, SparseDistribution | None, tuple[int, ...]]:
-        """One draft token from one row of logits [vocab]: the token, its distribution (None: greedy), alternatives."""
+              noise: torch.Tensor | None = None) -> tuple[int, SparseDistribution | None, tuple[int, ...], float]:
+        """One draft token from one row of logits [vocab]: the token, its distribution (None: greedy),
+        alternatives, and the probability the draft gives the token (1.0 unless a block may end on it)."""
+        confidence = 1.0
         if self._sampling.greedy:
             token, dist, ranked = int(logits.argmax()), None, logits
+            if self.min_confidence > 0:
+                confidence = float(torch.softmax(logits.float(), -1)[token])
         elif self._sampling.coupled:
             # The very noise row the verifier adds at this position: the draft is its own coupled
             # token, and no distribution needs to cross the wire.
             if noise is None:
                 noise = self._noise((position,), logits.shape[-1])[0]
-            ranked = processed_logprobs(logits, self._sampling) + noise
+            logprobs = processed_logprobs(logits, self._sampling)
+            ranked = logprobs + noise
             token, dist = int(ranked.argmax()), None
+            confidence = float(logprobs[token].exp())
         else:
             ranked = probs_from_logits(logits, self._sampling)  # [vocab]
             ids, probs_k = truncate_top_k(ranked, self._top_k)
             u = rng.uniform(self._sampling.seed, rng.Stream.DRAFT_SAMPLE, position)
             token = int(ids[sample_from(probs_k, torch.tensor(u))])
             dist = SparseDistribution(tuple(ids.tolist()), tuple(probs_k.tolist()))
+            confidence = float(ranked[token])
         alternatives: tuple[int, ...] = ()
         if num_alternatives:
             top = torch.topk(ranked, min(num_alternatives + 1, ranked.shape[-1])).indices.tolist()
             alternatives = tuple(t for t in top if t != token)[:num_alternatives]
-        return token, dist, alternatives
+        return token, dist, alternatives, confidence
 
     def propose_branches(self, sequences: Sequence[Sequence[int]], num_tokens: int, num_alternatives: int = 0,
                          interrupt: Callable[[], bool] | None = None) -> list[DraftProposal] | None:
@@ -120,19 +130,24 @@ class ModelDraftSession:
         batch = BranchBatch(self._kv.decoder, cache, base_lens, num_tokens, cached_len=len(cached))
         feed = [seq[-1] for seq in sequences]
         rows: list[tuple[list[int], list[SparseDistribution], list[tuple[int, ...]]]] = [([], [], []) for _ in sequences]
+        ended = [False] * len(sequences)  # a branch whose last token fell under min_confidence drafts no more
         for step in range(num_tokens):
-            if step and interrupt is not None and interrupt():
+            if step and interrupt is not None and interrupt() or all(ended):
                 break
             logits = batch.step(feed)  # [branches, vocab]
             positions = [len(seq) + step for seq in sequences]
             noise = self._noise(positions, logits.shape[-1])  # one block for every branch, or None
             for b, (tokens, dists, alts) in enumerate(rows):
-                token, dist, alt = self._pick(logits[b], positions[b], num_alternatives, None if noise is None else noise[b])
+                if ended[b]:
+                    continue  # still fed (the batch steps together); its rows are dropped
+                token, dist, alt, confidence = self._pick(logits[b], positions[b], num_alternatives,
+                                                          None if noise is None else noise[b])
                 tokens.append(token)
                 if dist is not None:
                     dists.append(dist)
                 alts.append(alt)
                 feed[b] = token
+                ended[b] = confidence < self.min_confidence
         elapsed = time.perf_counter_ns() - t0
         return [DraftProposal(tuple(tokens), tuple(dists) if dists else None, elapsed, tuple(alts))
                 for tokens, dists, alts in rows]
@@ -171,14 +186,14 @@ def propose_together(items: Sequence[tuple[ModelDraftSession, Sequence[int], int
         still = []
         for i, logits in zip(active, rows):
             session, _, num_tokens = items[i]
-            token, dist, alt = session._pick(logits[0], len(seqs[i]), num_alternatives)
+            token, dist, alt, confidence = session._pick(logits[0], len(seqs[i]), num_alternatives)
             drafted[i].append(token)
             seqs[i].append(token)
             if dist is not None:
                 dists[i].append(dist)
             if num_alternatives:
                 alts[i].append(alt)
-            stop = interrupts[i] is not None and interrupts[i]()
+            stop = confidence < session.min_confidence or interrupts[i] is not None and interrupts[i]()
             if len(drafted[i]) < num_tokens and not stop:
                 still.append(i)
         active = still
@@ -190,9 +205,13 @@ def propose_together(items: Sequence[tuple[ModelDraftSession, Sequence[int], int
 class ModelDrafter:
     name = "model"
 
-    def __init__(self, loaded: LoadedModel, proposal_top_k: int, fast: bool = True, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, loaded: LoadedModel, proposal_top_k: int, fast: bool = True, dtype: torch.dtype = torch.float32,
+                 min_confidence: float = 0.0) -> None:
         if proposal_top_k < 1:
             raise ValueError(f"proposal_top_k must be >= 1, got {proposal_top_k}")
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
+        self.min_confidence = min_confidence
         self.loaded = loaded
         self.vocab_size = loaded.vocab_size
         self._top_k = proposal_top_k
@@ -205,7 +224,8 @@ class ModelDrafter:
 
     def open_many(self, opens: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[ModelDraftSession]:
         """Open sessions whose prefills run as one batched forward (many clients arriving at once)."""
-        sessions = [ModelDraftSession(self.loaded.model, self.decoder, sampling, self._top_k, self.runner) for _, sampling in opens]
+        sessions = [ModelDraftSession(self.loaded.model, self.decoder, sampling, self._top_k, self.runner, self.min_confidence)
+                    for _, sampling in opens]
         logits_for_batch([(session._kv, prompt_ids, 1) for session, (prompt_ids, _) in zip(sessions, opens)])
         return sessions
 
@@ -222,7 +242,8 @@ def _build(config: DraftConfig) -> ModelDrafter | None:
 
         target_tok = AutoTokenizer.from_pretrained(config.target_model_path, local_files_only=True)
         check_same_tokenizer(_TokenizerOnly(config.target_model_path, target_tok), draft)
-    return ModelDrafter(draft, config.proposal_top_k, fast=config.fast_draft_forward, dtype=dtype)
+    return ModelDrafter(draft, config.proposal_top_k, fast=config.fast_draft_forward, dtype=dtype,
+                        min_confidence=config.min_confidence)
 
 
 class _TokenizerOnly:
