@@ -104,7 +104,8 @@ class DraftEngine:
             speculator.on_outcome(outcome)
             if speculator.wants_just_in_time():
                 self._jit_pending = True
-            self._lock.notify()
+            if speculator.k > 0:  # else nothing new to draft: waking the draft thread (in one process,
+                self._lock.notify()  # the model thread) would only have it scan every session for work
 
     def close(self, session_id: str) -> bool:
         """Free the session; one still opening is dropped once its prefill ends. Idempotent."""
