@@ -8,8 +8,8 @@ exponential forgetting) and picks the k that maximises expected committed tokens
 E(alpha, k) / T(k); k = 0 (plain decoding) when speculation does not pay. Until a request has
 measured its own steps, T(k) is the cost model 1 + c*k; from then on T(k) comes from its measured
 step times (``StepTiming``): the verify time as a line in k, what the step waited for its block
-(under overlap a pre-drafted block is ready at once, so only misses wait, about k draft tokens),
-and the rest of the step. Timings make k depend on the machine, so the k of every step is
+(under overlap a pre-drafted block is ready at once, so only misses wait: the block's drafting
+time, a line in k too) and the rest of the step. Timings make k depend on the machine, so the k of every step is
 recorded with the session (a seeded request under the rejection rule replays that schedule).
 """
 from __future__ import annotations
@@ -93,7 +93,11 @@ class StepCostModel:
         # Verify seconds against k (does a draft token make the forward longer, and by how much?);
         # fitted more slowly than a mean, because a slope needs more steps.
         self.verify = _LineFit(rate / 4)
-        self.draft_per_token = _Ema(rate)
+        self.draft_per_token = _Ema(rate)  # a block's drafting time over its tokens (what the batch's load cap uses)
+        # A block's drafting time against k: a block's first token also feeds the tokens the last
+        # step committed (a cost per block, not per token), so at k = 1 the time per token is twice
+        # the marginal one here (2.4 against 1.0 ms): charged per token, it kept k at 1 where 3 paid.
+        self.draft = EwLine(rate / 4)
         self.miss = _Ema(rate)  # fraction of speculating steps that had to wait for their block
         self.miss_overhead = _Ema(rate)  # a wait's cost beyond the drafting itself (the hop)
         self.other = _Ema(rate)  # the rest of a step: hand-offs, sampling, messages
@@ -106,6 +110,7 @@ class StepCostModel:
         if k > 0:
             if timing.draft_s > 0:
                 self.draft_per_token.add(timing.draft_s / k)
+                self.draft.add(k, timing.draft_s)
             waited = not timing.predrafted
             self.miss.add(float(waited))
             if waited:
@@ -115,8 +120,17 @@ class StepCostModel:
         verify = self.verify.at(k)
         t = verify + self.other.get(0.0)
         if k > 0:
-            t += self.miss.get(1.0) * (k * self.draft_per_token.get(0.1 * self.verify.at(0)) + self.miss_overhead.get(0.0))
+            t += self.miss.get(1.0) * (self.draft_seconds(k) + self.miss_overhead.get(0.0))
         return t
+
+    def draft_seconds(self, k: int) -> float:
+        """A block of k tokens' drafting time: a line in k once k has varied, else in proportion to k."""
+        fit = self.draft
+        if fit.n == 0:
+            return k * self.draft_per_token.get(0.1 * self.verify.at(0))
+        if fit.var_x < 0.25:  # k hardly varied: the fixed part is not identifiable
+            return k * fit.mean_y / fit.mean_x
+        return max(0.0, fit.mean_y + max(0.0, fit.slope) * (k - fit.mean_x))
 
 
 class _LineFit:
