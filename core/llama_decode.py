@@ -10,7 +10,7 @@ forward instead:
 - oneDNN-packed weights where PyTorch has them. MKL's small-M GEMM is slow on this CPU kind
   (a 384x2048 linear: 0.08 ms for 1 row, 0.19 ms for 5); oneDNN with a prepacked weight runs 5 rows
   in about the time of one, which is what makes verifying k drafts cost little more than one step.
-  single rows, and calls of a few rows, go to whichever kernel measured fastest at load
+  single-row calls and calls of more rows each go to the kernel measured fastest at load
   (`_Layouts`: MKL's GEMM on a transposed copy at one row on an Intel Xeon);
 - every sequence's KV in a slot of a shared slab (core/kv_slots.py), so a batch attends slab by
   slab, and logits only for the rows asked for
@@ -85,6 +85,7 @@ def _onednn_linear(weight: torch.Tensor, rows_hint: int) -> Linear | None:
 
 
 KERNELS = ("packed", "plain", "transposed")
+MULTI_ROW_KERNELS = ("packed", "transposed")  # F.linear loses to both from a few rows up
 MEASURE_ROWS = 4  # the rows of a k = 3 verification: what "more rows" is timed at
 
 
@@ -99,7 +100,7 @@ class _Layouts:
     __slots__ = ("packed", "weight", "transposed", "one", "many")
 
     def __init__(self, packed: Linear, weight: torch.Tensor) -> None:
-        self.packed, self.weight, self.transposed = packed, weight, weight.t().contiguous()
+        self.packed, self.weight, self.transposed = packed, weight, None  # the copy only once a kernel needs it
         self.one = self.many = packed
 
     def kernel(self, name: str) -> Linear:
@@ -108,6 +109,8 @@ class _Layouts:
         if name == "plain":
             weight = self.weight
             return lambda x: F.linear(x, weight)
+        if self.transposed is None:
+            self.transposed = self.weight.t().contiguous()
         transposed = self.transposed
         return lambda x: torch.mm(x, transposed)
 
@@ -217,13 +220,13 @@ class LlamaDecoder:
         layout the two do not use is dropped. Returns (single-row kernel, multi-row kernel)."""
         if single_row not in ("measure", *KERNELS):
             raise ValueError(f"single_row must be measure, packed, plain or transposed; got {single_row!r}")
-        if multi_row not in ("measure", "packed", "transposed"):
+        if multi_row not in ("measure", *MULTI_ROW_KERNELS):
             raise ValueError(f"multi_row must be measure, packed or transposed; got {multi_row!r}")
         linears = self._layouts()
         if not linears:
             return "plain", "plain"
         one = single_row if single_row != "measure" else self._time_kernels(linears, 1, KERNELS)
-        many = multi_row if multi_row != "measure" else self._time_kernels(linears, MEASURE_ROWS, ("packed", "transposed"))
+        many = multi_row if multi_row != "measure" else self._time_kernels(linears, MEASURE_ROWS, MULTI_ROW_KERNELS)
         for f in linears:
             f.use(one, many)
         return one, many

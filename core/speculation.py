@@ -97,7 +97,7 @@ class StepCostModel:
         # A block's drafting time against k: a block's first token also feeds the tokens the last
         # step committed (a cost per block, not per token), so at k = 1 the time per token is twice
         # the marginal one here (2.4 against 1.0 ms): charged per token, it kept k at 1 where 3 paid.
-        self.draft = EwLine(rate / 4)
+        self.draft = _LineFit(rate / 4, prior_slope=None)
         self.miss = _Ema(rate)  # fraction of speculating steps that had to wait for their block
         self.miss_overhead = _Ema(rate)  # a wait's cost beyond the drafting itself (the hop)
         self.other = _Ema(rate)  # the rest of a step: hand-offs, sampling, messages
@@ -125,37 +125,42 @@ class StepCostModel:
 
     def draft_seconds(self, k: int) -> float:
         """A block of k tokens' drafting time: a line in k once k has varied, else in proportion to k."""
-        fit = self.draft
-        if fit.n == 0:
-            return k * self.draft_per_token.get(0.1 * self.verify.at(0))
-        if fit.var_x < 0.25:  # k hardly varied: the fixed part is not identifiable
-            return k * fit.mean_y / fit.mean_x
-        return max(0.0, fit.mean_y + max(0.0, fit.slope) * (k - fit.mean_x))
+        if self.draft.n == 0:
+            return 0.1 * k * self.verify.at(0)
+        return self.draft.at(k)
 
 
 class _LineFit:
-    """y = a + b * k, exponentially weighted. Until k has varied, b is a prior share of the mean per
-    draft token (4%: the demo pair on an Intel Xeon, 1.16x at k = 4); once it has, b is fitted, because
-    machines differ: a forward bound by reading weights costs about the same for 1 row or 5 (an AMD
-    EPYC here: k = 3 verified as fast as k = 2), and a prior that charges every draft token a
-    slope the machine does not have makes k too short."""
+    """y = a + b * k, exponentially weighted; b is fitted once k has varied, because machines
+    differ. Until then, ``prior_slope``: b as a share of the mean per draft token (the verify time:
+    4%, the demo pair on an Intel Xeon, 1.16x at k = 4; a forward bound by reading weights costs
+    about the same for 1 row or 5 (an AMD EPYC here: k = 3 verified as fast as k = 2), and a prior
+    that charges every draft token a slope the machine does not have makes k too short), or None:
+    y in proportion to k (a block's drafting time, whose fixed part cannot be told apart yet)."""
 
     PRIOR_SLOPE = 0.04
 
-    def __init__(self, rate: float) -> None:
+    def __init__(self, rate: float, prior_slope: float | None = PRIOR_SLOPE) -> None:
         self._fit = EwLine(rate)
+        self._prior_slope = prior_slope
+
+    @property
+    def n(self) -> float:
+        return self._fit.n
 
     def add(self, k: float, y: float) -> None:
         self._fit.add(k, y)
 
     def at(self, k: float) -> float:
-        fit = self._fit
+        fit, prior = self._fit, self._prior_slope
         if fit.n == 0:
-            return 1e-3 * (1 + self.PRIOR_SLOPE * k)
+            return 1e-3 * (1 + (prior or 0.0) * k)
         mx, my = fit.mean_x, fit.mean_y
         if fit.var_x < 0.25:  # k hardly varied: the slope is not identifiable
-            base = my / (1 + self.PRIOR_SLOPE * mx)
-            return base * (1 + self.PRIOR_SLOPE * k)
+            if prior is None:
+                return my * k / mx
+            base = my / (1 + prior * mx)
+            return base * (1 + prior * k)
         return max(1e-6, my + max(0.0, fit.slope) * (k - mx))
 
 

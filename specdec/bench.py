@@ -171,7 +171,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", default="1", help="torch threads per model, in every method (default 1); 'auto': one "
                    "process measures 1..cores per forward as `specdec generate` does (the HF baseline gets every core, "
                    "`specdec up`'s processes 1 each)")
-    p.add_argument("--draft-min-confidence", type=float, default=0.0, metavar="P",
+    from specdec.cli import probability_below_one
+
+    p.add_argument("--draft-min-confidence", type=probability_below_one, default=0.0, metavar="P",
                    help="the drafter ends a block after a token it gives less than P probability (default 0: blocks of k)")
     p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png (default ./bench-results)")
     p.add_argument("--concurrency", help="instead: a load benchmark in one process at these levels, e.g. 1,4,16,64 "
@@ -203,8 +205,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--threads takes a count >= 1 or 'auto', got {args.threads!r}")
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise UsageError("--prompts and --max-new-tokens must be >= 1")
-    if not 0.0 <= args.draft_min_confidence < 1.0:
-        raise UsageError(f"--draft-min-confidence takes a probability in [0, 1), got {args.draft_min_confidence}")
     target = model_path(args.target, ENV_TARGET, "target")
     prompts, source = bench_prompts(args.prompts, target, args.prompts_file)
     config = BenchConfig(target, model_path(args.draft, ENV_DRAFT, "draft"), tuple(prompts), args.max_new_tokens, ks,

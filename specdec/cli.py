@@ -40,7 +40,7 @@ def model_path(flag: str | None, env: str, demo: str) -> str:
 
 
 # ----------------------------------------------------------------------------- arguments
-def _below_one(text: str) -> float:
+def probability_below_one(text: str) -> float:
     """A probability in [0, 1), for argparse."""
     try:
         value = float(text)
@@ -64,7 +64,7 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
     if draft:
         p.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default="float32",
                        help="draft model precision on the lean path (bfloat16 needs a CPU with native bf16)")
-        p.add_argument("--draft-min-confidence", type=_below_one, default=0.0, metavar="P",
+        p.add_argument("--draft-min-confidence", type=probability_below_one, default=0.0, metavar="P",
                        help="end a draft block after a token the draft gives less than P probability (default 0: "
                             "blocks of k; k is then an upper bound; never changes the output)")
 

@@ -80,7 +80,8 @@ class ModelDraftSession:
     def _pick(self, logits: torch.Tensor, position: int, num_alternatives: int,
               noise: torch.Tensor | None = None) -> tuple[int, SparseDistribution | None, tuple[int, ...], float]:
         """One draft token from one row of logits [vocab]: the token, its distribution (None: greedy),
-        alternatives, and the probability the draft gives the token (1.0 unless a block may end on it)."""
+        alternatives, and the probability the draft gives the token (greedy: 1.0 unless a block may end
+        on it, since only then is the softmax worth computing)."""
         confidence = 1.0
         if self._sampling.greedy:
             token, dist, ranked = int(logits.argmax()), None, logits
@@ -132,7 +133,7 @@ class ModelDraftSession:
         rows: list[tuple[list[int], list[SparseDistribution], list[tuple[int, ...]]]] = [([], [], []) for _ in sequences]
         ended = [False] * len(sequences)  # a branch whose last token fell under min_confidence drafts no more
         for step in range(num_tokens):
-            if step and interrupt is not None and interrupt() or all(ended):
+            if all(ended) or (step and interrupt is not None and interrupt()):
                 break
             logits = batch.step(feed)  # [branches, vocab]
             positions = [len(seq) + step for seq in sequences]
