@@ -180,3 +180,30 @@ def test_on_a_shared_model_thread_an_adaptive_request_does_not_draft_ahead():
     assert overlap(True, adaptive) is False
     assert overlap(False, adaptive) is True
     assert overlap(True, SpeculationPolicy(SpeculationMode.FIXED, 3)) is True
+
+
+def test_on_a_shared_model_thread_in_company_a_fixed_request_does_not_draft_ahead():
+    """What the drafter is told: a fixed-k request drafts ahead on a model thread it shares with
+    the verifier only while its session is the only one open (in company that thread is never idle,
+    and drafts ahead delay the others' forwards); with a drafter of its own it always may."""
+    from types import SimpleNamespace
+
+    from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+    from specdec.target.loop import VerifierLoop
+
+    sent = []
+
+    def told(shared: bool, sessions: int) -> bool:
+        engine = SimpleNamespace(shares_model_thread=shared, open_sessions=sessions)
+        run = SimpleNamespace(policy=SpeculationPolicy(SpeculationMode.FIXED, 3), spec=SimpleNamespace(prompt_ids=(1, 2, 3)))
+        loop = VerifierLoop(engine, run, lambda run: None, 512)
+        loop.link = SimpleNamespace(up=True, send=sent.append)
+        loop.state.k = 3
+        loop._tell_drafter((7,))
+        outcome = sent[-1]
+        assert (outcome.committed_len, outcome.token_ids, outcome.num_speculative_tokens) == (3, (7,), 3)
+        return outcome.overlap
+
+    assert told(shared=True, sessions=1) is True
+    assert told(shared=True, sessions=2) is False
+    assert told(shared=False, sessions=64) is True
