@@ -122,3 +122,93 @@ def load_cap(alpha: float, cost_per_token_s: float, goodput_tokens_per_s: float,
     if price >= 1.0 or alpha <= 0.0:
         return 0
     return max(0, min(max_k, math.floor(math.log(price) / math.log(alpha))))
+
+
+class LoadRegimes:
+    """Under load, which way of choosing adaptive requests' k serves the batch best, found by trying each.
+
+    The ways: ``CAPPED`` (each request's k capped by `load_cap`, the model above) and fixed k = 1, 2,
+    3 for every adaptive request. The model prices a draft token from fitted costs, and where those
+    miss what drafting does to a batch (batches split while some sessions wait for their blocks, a
+    batched draft forward's time counted once for each session drafted in it) it holds k at 0 where
+    drafting pays: in one process at 4 sessions, fixed k = 2 ran at 1.15x plain decoding and capped
+    adaptive, at k = 0 nearly always, at 0.86x (and each request's own step-time model, asked
+    instead, picked 0 as well).
+
+    Time is cut into epochs of ``epoch_s``, each run one way; an epoch's goodput is the tokens its
+    batches committed over its wall time, kept per load level (open sessions, about a power of two) as
+    an exponentially weighted mean per way. The best way runs; every ``explore_every`` epochs the
+    next other way is tried again, an interval that doubles each time the way tried loses (up to
+    ``max_explore_every``), so ways that keep losing by much cost little. An epoch whose load level
+    changed, or in which no adaptive request was open, is not counted. Pure: the caller passes the clock.
+    """
+
+    CAPPED = "capped"
+    WAYS: tuple[str | int, ...] = (CAPPED, 2)
+
+    def __init__(self, epoch_s: float = 0.5, explore_every: int = 4, max_explore_every: int = 32,
+                 rate: float = 0.3, ways: tuple[str | int, ...] = WAYS) -> None:
+        self.epoch_s = epoch_s
+        self.ways = ways
+        self._explore_min = explore_every
+        self._explore_max = max_explore_every
+        self._rate = rate
+        self.adaptive_sessions = 0  # open adaptive requests: the only ones this choice steers
+        self.current: str | int = ways[0]
+        self._level: int | None = None
+        self._start = 0.0
+        self._tokens = 0
+        self._goodput: dict[tuple[int, str | int], float] = {}  # (level, way) -> tokens/s
+        self._waited: dict[int, int] = {}  # level -> epochs since another way was last tried
+        self._interval: dict[int, int] = {}  # level -> epochs between tries of another way
+        self._turn: dict[int, int] = {}  # level -> which other way is tried next
+        self._exploring = False  # the epoch running tries a way that was not the best
+
+    @staticmethod
+    def level(sessions: int) -> int:
+        # Load levels centred on powers of two (3-5 sessions | 6-11 | 12-22 | 23-45 | 46-90 | ...), so a
+        # load that sits at 16 and dips to 15 as requests end and begin keeps its level.
+        return round(math.log2(max(1, sessions)))
+
+    def goodput(self, sessions: int, way: str | int) -> float | None:
+        return self._goodput.get((self.level(sessions), way))
+
+    def observe(self, sessions: int, committed_tokens: int, now: float) -> None:
+        """After each batch: the open sessions, the tokens the batch committed, the time it ended."""
+        level = self.level(sessions)
+        if level != self._level or self.adaptive_sessions <= 0:
+            self._begin(level, now)
+            return
+        self._tokens += committed_tokens
+        if now - self._start < self.epoch_s:
+            return
+        g = self._tokens / (now - self._start)
+        key = (level, self.current)
+        old = self._goodput.get(key)
+        self._goodput[key] = g if old is None else (1 - self._rate) * old + self._rate * g
+        self._begin(level, now, ended=True)
+
+    def _begin(self, level: int, now: float, ended: bool = False) -> None:
+        """Start an epoch at ``level``; ``ended``: the previous one was counted (else it was dropped)."""
+        self._level, self._start, self._tokens = level, now, 0
+        untried = [w for w in self.ways if (level, w) not in self._goodput]
+        if untried:  # each way once first
+            self.current = untried[0]
+            return
+        best = max(self.ways, key=lambda w: self._goodput[level, w])
+        interval = self._interval.setdefault(level, self._explore_min)
+        if ended and self._exploring:  # the epoch just counted tried another way: did it win?
+            interval = self._explore_min if self.current == best else min(self._explore_max, 2 * interval)
+            self._interval[level] = interval
+        self._exploring = False
+        waited = self._waited.get(level, 0) + int(ended)
+        others = [w for w in self.ways if w != best]
+        if ended and others and waited >= interval:
+            turn = self._turn.get(level, 0)
+            self._turn[level] = turn + 1
+            self._waited[level] = 0
+            self._exploring = True
+            self.current = others[turn % len(others)]
+        else:
+            self._waited[level] = waited
+            self.current = best

@@ -103,3 +103,92 @@ def test_alone_the_load_cap_leaves_k_to_the_request():
 
     assert loop(1)._next_k() == 4  # its own k: its step-time model already weighed what a draft costs it
     assert loop(8)._next_k() == 0  # in company, a draft token must pay for the whole batch
+
+
+# ----------------------------------------------------------------------------- which way under load, measured
+def _epochs(regimes, rates: dict, n: int, sessions: int = 4, start: float = 0.0) -> tuple[list, float]:
+    """Run n epochs of 10 batches; each batch commits what the way running then would commit in its time."""
+    ways, now = [], start
+    step = regimes.epoch_s / 10 * (1 + 1e-6)  # ten batches end an epoch
+    for _ in range(n):
+        way = regimes.current
+        ways.append(way)
+        for _ in range(10):
+            now += step
+            regimes.observe(sessions, round(rates[way] * step), now)
+    return ways, now
+
+
+def test_under_load_each_way_is_tried_then_the_best_runs_and_the_others_are_tried_ever_less_often():
+    from specdec.core.goodput import LoadRegimes
+
+    regimes = LoadRegimes(epoch_s=0.5, explore_every=4, max_explore_every=16)
+    regimes.adaptive_sessions = 4
+    regimes.observe(4, 0, 0.0)  # the first batch starts the first epoch
+    ways, _ = _epochs(regimes, {LoadRegimes.CAPPED: 500.0, 2: 650.0}, 80)
+    assert ways[:2] == [LoadRegimes.CAPPED, 2]  # each way once first
+    assert regimes.goodput(4, 2) == pytest.approx(650.0, rel=0.02)
+    tries = [i for i, w in enumerate(ways) if w == LoadRegimes.CAPPED and i > 0]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps and all(g == 16 for g in gaps[1:]) and gaps[0] == 8  # tried after 4, 8, then 16 epochs (the most)
+    assert ways.count(2) / len(ways) > 0.9
+
+
+def test_the_way_that_starts_to_win_takes_over():
+    from specdec.core.goodput import LoadRegimes
+
+    regimes = LoadRegimes(epoch_s=0.5, explore_every=2, max_explore_every=4)
+    regimes.adaptive_sessions = 1
+    regimes.observe(16, 0, 0.0)
+    ways, now = _epochs(regimes, {LoadRegimes.CAPPED: 1400.0, 2: 1000.0}, 20, sessions=16)
+    assert ways[-8:].count(LoadRegimes.CAPPED) >= 6  # the better way, but for a try of the other now and then
+    ways, _ = _epochs(regimes, {LoadRegimes.CAPPED: 1000.0, 2: 1400.0}, 20, sessions=16, start=now)  # the load changed in kind
+    assert ways[-8:].count(2) >= 6
+
+
+def test_epochs_count_per_load_level_and_only_with_adaptive_requests_open():
+    from specdec.core.goodput import LoadRegimes
+
+    regimes = LoadRegimes(epoch_s=0.5)
+    regimes.observe(4, 0, 0.0)
+    _, now = _epochs(regimes, {LoadRegimes.CAPPED: 500.0, 2: 650.0}, 3)
+    assert regimes.goodput(4, LoadRegimes.CAPPED) is None  # no adaptive request was open: nothing it steers
+    regimes.adaptive_sessions = 2
+    _, now = _epochs(regimes, {LoadRegimes.CAPPED: 500.0, 2: 650.0}, 3, start=now)
+    assert regimes.goodput(5, 2) == pytest.approx(650.0, rel=0.02)  # 3-5 sessions are one level
+    assert regimes.goodput(16, 2) is None and regimes.current == 2
+    regimes.observe(16, 100, now + 0.1)  # another level: its own ways, capped first
+    assert regimes.current == LoadRegimes.CAPPED
+    assert [LoadRegimes.level(n) for n in (4, 15, 16, 22, 64)] == [2, 4, 4, 4, 6]
+
+
+def test_one_way_alone_is_never_left():
+    from specdec.core.goodput import LoadRegimes
+
+    regimes = LoadRegimes(epoch_s=0.5, ways=(LoadRegimes.CAPPED,))
+    regimes.adaptive_sessions = 1
+    regimes.observe(8, 0, 0.0)
+    ways, _ = _epochs(regimes, {LoadRegimes.CAPPED: 900.0}, 12, sessions=8)
+    assert set(ways) == {LoadRegimes.CAPPED}
+
+
+def test_in_company_an_adaptive_request_takes_the_way_measured_best():
+    from types import SimpleNamespace
+
+    from specdec.core.goodput import LoadRegimes
+    from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+    from specdec.target.loop import VerifierLoop
+
+    # Costs that cap any draft to 0 (price 2 tokens).
+    costs = SimpleNamespace(per_row_s=0.001, draft_per_token_s=0.001, draft_token_cost_s=0.01, goodput_tokens_per_s=200.0)
+    regimes = LoadRegimes()
+
+    def k(max_k: int) -> int:
+        engine = SimpleNamespace(batch_costs=costs, open_sessions=4, shares_model_thread=True, load_regimes=regimes)
+        run = SimpleNamespace(policy=SpeculationPolicy(SpeculationMode.ADAPTIVE, 1, max_k), spec=SimpleNamespace(prompt_ids=(1, 2, 3)))
+        return VerifierLoop(engine, run, lambda run: None, 512)._next_k()
+
+    regimes.current = LoadRegimes.CAPPED
+    assert k(8) == 0
+    regimes.current = 2
+    assert k(8) == 2 and k(1) == 1  # never past the request's own maximum

@@ -12,7 +12,7 @@ import torch
 
 from specdec.core import rng
 from specdec.core.errors import InvalidRequest, Overloaded, SessionAlreadyOpen, SpecdecError
-from specdec.core.goodput import BatchCostModel
+from specdec.core.goodput import BatchCostModel, LoadRegimes
 from specdec.core.kv import KVSequence, common_prefix_len, logits_for_batch
 from specdec.core.kv_blocks import BlockLayout, encode_block, model_fingerprint
 from specdec.core.llama_decode import PACK_ROWS, LlamaDecoder, supports
@@ -321,6 +321,7 @@ class AsyncVerifierEngine:
         self._loop: asyncio.AbstractEventLoop | None = None  # set by verify(): where the KV writer runs
         self.batch_sizes: collections.Counter[int] = collections.Counter()  # sessions per forward, for benchmarks
         self.batch_costs = BatchCostModel()  # what a verified row costs under the load now (core/goodput.py)
+        self.load_regimes = LoadRegimes()  # under load: adaptive k capped by that model, or each request's own, as measured
         self._last_batch_end: float | None = None
         self.metrics = metrics
         if metrics is not None:
@@ -442,9 +443,10 @@ class AsyncVerifierEngine:
             ended = time.perf_counter()
             since = None if self._last_batch_end is None else ended - self._last_batch_end
             self._last_batch_end = ended
-            self.batch_costs.observe(sum(len(p.token_ids) + 1 for _, p, _ in batch), ended - started,
-                                     sum(len(r.token_ids) for r in results if isinstance(r, VerifyOutcome)), since,
+            committed = sum(len(r.token_ids) for r in results if isinstance(r, VerifyOutcome))
+            self.batch_costs.observe(sum(len(p.token_ids) + 1 for _, p, _ in batch), ended - started, committed, since,
                                      drafts=sum(len(p.token_ids) for _, p, _ in batch))
+            self.load_regimes.observe(len(self.engine.sessions), committed, ended)
             for (_, _, done), result in zip(batch, results):
                 if not done.done():
                     done.set_exception(result) if isinstance(result, BaseException) else done.set_result(result)

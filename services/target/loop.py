@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from specdec.core.errors import InvalidRequest, SpecdecError
 from specdec.core.sessions import short_id
-from specdec.core.goodput import load_cap
+from specdec.core.goodput import LoadRegimes, load_cap
 from specdec.core.speculation import SpeculationController, SpeculationMode, StepTiming
 from specdec.core.steps import MAX_STEP_TOKENS, DraftLink, DraftProposal, SessionRun, SessionSpec, StepCommit, StepOutcome
 from specdec.target.engine import AsyncVerifierEngine
@@ -72,6 +72,9 @@ class VerifierLoop:
         """Open the session on both sides, then one StepCommit per step. Frees everything however it ends."""
         spec = self.run.spec
         link = self.link_factory(self.run)
+        steered = getattr(self.engine, "load_regimes", None) if self.run.policy.mode is SpeculationMode.ADAPTIVE else None
+        if steered is not None:
+            steered.adaptive_sessions += 1
         try:
             opened = await asyncio.gather(self.engine.open(spec, self.run.max_new_tokens), self._open_link(link, spec), return_exceptions=True)
             if isinstance(opened[0], BaseException):
@@ -85,6 +88,8 @@ class VerifierLoop:
                 if commit.finished:
                     return
         finally:
+            if steered is not None:
+                steered.adaptive_sessions -= 1
             # Shielded, and waited for even when this task is cancelled: when the caller sees the
             # session end, both workers have freed it.
             release = asyncio.ensure_future(self._release(spec.session_id, link))
@@ -127,6 +132,9 @@ class VerifierLoop:
             # own step-time model already weighs (the batch-wide fit, which also charges a block's
             # fixed cost to each of its tokens, cut one session's k to 0 or 1 where k = 2-3 paid).
             return self.controller.next_k()
+        regimes = getattr(self.engine, "load_regimes", None)
+        if regimes is not None and regimes.current != LoadRegimes.CAPPED:  # a fixed k, measured to serve this load better
+            return min(int(regimes.current), policy.max_speculative_tokens)
         mine = self.controller.costs
         # Drafting costs the batch what it adds to this session's steps: the blocks it waited for.
         per_token = costs.per_row_s + mine.miss.get(1.0) * mine.draft_per_token.get(costs.draft_per_token_s)
