@@ -33,6 +33,38 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def shared_prefixes(prompts: Sequence[Sequence[int]], min_shared: int,
+                    eligible: Sequence[bool] | None = None) -> list[tuple[int, int] | None]:
+    """For prompts prefilled together: which can copy another's keys and values instead of computing them.
+
+    Per prompt, None (compute it in full: a *leader*) or (index of an earlier leader, shared): its
+    first ``shared`` tokens are that leader's, ``min_shared <= shared <= len - 1`` (its last token is
+    still fed, so the prefill gives its logits). The longest shared start wins. Only ``eligible``
+    prompts (default: all) copy or are copied from. Candidates are found by their first
+    ``min_shared`` tokens, so a batch of distinct prompts costs one dict lookup each.
+    """
+    out: list[tuple[int, int] | None] = []
+    by_start: dict[tuple[int, ...], list[int]] = {}  # a leader's first min_shared tokens -> leaders
+    for i, prompt in enumerate(prompts):
+        ok = eligible is None or eligible[i]
+        start = tuple(prompt[:min_shared])
+        best, shared = None, 0
+        if ok and len(start) == min_shared:
+            for j in by_start.get(start, ()):
+                other = prompts[j]
+                n = len(prompt) if list(other) == list(prompt) else common_prefix_len(other, prompt)
+                if n > shared:
+                    best, shared = j, n
+        shared = min(shared, len(prompt) - 1)
+        if best is not None and shared >= min_shared:
+            out.append((best, shared))
+            continue
+        out.append(None)
+        if ok and len(start) == min_shared:
+            by_start.setdefault(start, []).append(i)
+    return out
+
+
 class KVSequence:
     """One sequence's KV cache and the token ids it covers, through a model runner (core/runner.py).
 

@@ -147,6 +147,54 @@ def test_opens_of_one_prefill_batch_are_checked_one_by_one_and_equal_opening_alo
         assert together.token_ids == by_itself.token_ids and together.num_accepted == by_itself.num_accepted
 
 
+@pytest.mark.parametrize("prompts, eligible, want", [
+    # the same prompt three times: the first computed, the others copy all but their last token
+    ([list(range(40)), list(range(40)), list(range(40))], None, [None, (0, 39), (0, 39)]),
+    # a shared start of 20, then different: copy 20, compute the rest
+    ([list(range(20)) + [1, 2], list(range(20)) + [3, 4, 5]], None, [None, (0, 20)]),
+    # a shared start under the minimum (15 of 16): each computed in full
+    ([list(range(15)) + [90] * 10, list(range(15)) + [91] * 10], None, [None, None]),
+    # the longest shared start wins among the prompts computed in full; one that copies is copied from by none
+    # (the copies come before the second forward): the third shares 30 with the second, 18 with the first
+    ([list(range(18)) + [7] * 5, list(range(30)), list(range(30)) + [1]], None, [None, (0, 18), (0, 18)]),
+    ([list(range(18)) + [7] * 5, list(range(10)) + [5] * 20, list(range(30)), list(range(30)) + [1]], None,
+     [None, None, (0, 18), (0, 18)]),
+    ([list(range(20)) + [7] * 5, list(range(24)) + [5] * 20, list(range(30))], None, [None, (0, 20), (0, 20)]),
+    # prompts of 16 tokens: the last token is always fed, so 15 could be shared: under the minimum
+    ([list(range(16)), list(range(16))], None, [None, None]),
+    # a prompt that may not copy (it starts from stored KV blocks) leads nobody and follows nobody
+    ([list(range(40)), list(range(40)), list(range(40))], [False, True, True], [None, None, (1, 39)]),
+])
+def test_prompts_of_one_prefill_batch_that_begin_alike_compute_their_shared_start_once(prompts, eligible, want):
+    from specdec.core.kv import shared_prefixes
+
+    assert shared_prefixes(prompts, 16, eligible) == want
+
+
+def test_a_session_that_copied_a_shared_prompt_start_verifies_as_one_prefilled_alone(tiny_pair):
+    """Three opens of one prompt and one that shares its first 20 tokens: the prefill computes the
+    prompt once and the fourth's last 6 tokens (and each copy's last token); every session then
+    verifies exactly as one opened alone."""
+    engine = VerifierEngine.from_config(TargetConfig(tiny_pair[0]))
+    shared = tuple(range(3, 30))
+    other = shared[:20] + (201, 202, 203, 204, 205, 206)
+    ids = [secrets.token_hex(16) for _ in range(4)]
+    results = engine.open_batch([(SessionSpec(ids[0], shared, SamplingParams()), 20, ()),
+                                 (SessionSpec(ids[1], shared, SamplingParams()), 20, ()),
+                                 (SessionSpec(ids[2], other, SamplingParams()), 20, ()),
+                                 (SessionSpec(ids[3], shared, SamplingParams()), 20, ())])
+    assert all(isinstance(r, int) for r in results)
+    assert engine.last_prefill_tokens == len(shared) + 1 + 6 + 1
+    for sid, prompt in zip(ids, (shared, shared, other, shared)):
+        alone = secrets.token_hex(16)
+        engine.open(SessionSpec(alone, prompt, SamplingParams()), 20)
+        assert engine.last_prefill_tokens == len(prompt)
+        for step in [(3, 4, 5), (), (9,)]:
+            copied, by_itself = engine.verify(sid, DraftProposal(step)), engine.verify(alone, DraftProposal(step))
+            assert copied.token_ids == by_itself.token_ids and copied.num_accepted == by_itself.num_accepted
+        engine.close(alone)
+
+
 async def test_sessions_that_open_together_are_prefilled_in_one_forward(tiny_pair):
     """Nine clients at once: their opens queue together and go in one forward; one cancelled while
     it waits is never prefilled."""

@@ -13,7 +13,7 @@ import torch
 from specdec.core import rng
 from specdec.core.errors import InvalidRequest, Overloaded, SessionAlreadyOpen, SpecdecError
 from specdec.core.goodput import BatchCostModel, LoadRegimes
-from specdec.core.kv import KVSequence, common_prefix_len, logits_for_batch
+from specdec.core.kv import KVSequence, common_prefix_len, logits_for_batch, shared_prefixes
 from specdec.core.kv_blocks import BlockLayout, encode_block, model_fingerprint
 from specdec.core.llama_decode import PACK_ROWS, LlamaDecoder, supports
 from specdec.core.models import LoadedModel, load_causal_lm
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from specdec.metrics import VerifierMetrics
 
 R = TypeVar("R")
+# Opens of one prefill batch whose prompts share at least this many leading tokens compute them once.
+MIN_SHARED_PREFIX = 16
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,19 @@ class VerifierEngine:
                 session.blocks_written = len(stored)
             ready.append((i, spec.session_id, session, spec.prompt_ids))
         # Prefill all but the last prompt token's successor: the first Verify feeds only drafts.
-        self.last_prefill_tokens = sum(len(prompt) - session.kv.cached_len for _, _, session, prompt in ready)
-        logits_for_batch([(session.kv, prompt, 1) for _, _, session, prompt in ready])
+        # Prompts that begin alike (one prompt sent many times, a shared system prompt) compute what
+        # they share once: the first in one forward, the others copy its keys and values and feed
+        # only the rest in a second.
+        copies = shared_prefixes([prompt for _, _, _, prompt in ready], MIN_SHARED_PREFIX,
+                                 [self.decoder is not None and session.kv.cached_len == 0 for _, _, session, _ in ready])
+        leaders = [(session, prompt) for (_, _, session, prompt), copy in zip(ready, copies) if copy is None]
+        followers = [(session, prompt, ready[copy[0]][2], copy[1]) for (_, _, session, prompt), copy in zip(ready, copies) if copy]
+        self.last_prefill_tokens = (sum(len(prompt) - session.kv.cached_len for session, prompt in leaders)
+                                    + sum(len(prompt) - shared for session, prompt, _, shared in followers))
+        logits_for_batch([(session.kv, prompt, 1) for session, prompt in leaders])
+        for session, prompt, leader, shared in followers:
+            session.kv.load_prefix(prompt[:shared], leader.kv.decode_cache.buf[:, :, :, :shared])
+        logits_for_batch([(session.kv, prompt, 1) for session, prompt, _, _ in followers])
         elapsed = time.perf_counter_ns() - t0  # each open waited for the whole prefill
         for i, session_id, session, _ in ready:
             self.sessions.add(session_id, session)
