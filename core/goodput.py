@@ -138,8 +138,10 @@ class LoadRegimes:
     Time is cut into epochs of ``epoch_s``, each run one way; an epoch's goodput is the tokens its
     batches committed over its wall time, kept per load level (open sessions, about a power of two) as
     an exponentially weighted mean per way. The best way runs; every ``explore_every`` epochs the
-    next other way is tried again, an interval that doubles each time the way tried loses (up to
-    ``max_explore_every``), so ways that keep losing by much cost little. An epoch whose load level
+    next other way is tried again, an interval that doubles each time the way tried loses by more
+    than ``margin`` (up to ``max_explore_every``) and starts again from ``explore_every`` when it
+    does not: ways that keep losing by much cost little, and a close contest, where one noisy epoch
+    could pick the wrong way, is looked at often (an epoch here varies by 10-30%). An epoch whose load level
     changed, or in which no adaptive request was open, is not counted. Pure: the caller passes the clock.
     """
 
@@ -147,8 +149,9 @@ class LoadRegimes:
     WAYS: tuple[str | int, ...] = (CAPPED, 2)
 
     def __init__(self, epoch_s: float = 0.5, explore_every: int = 4, max_explore_every: int = 32,
-                 rate: float = 0.3, ways: tuple[str | int, ...] = WAYS) -> None:
+                 rate: float = 0.3, margin: float = 0.1, ways: tuple[str | int, ...] = WAYS) -> None:
         self.epoch_s = epoch_s
+        self.margin = margin
         self.ways = ways
         self._explore_min = explore_every
         self._explore_max = max_explore_every
@@ -197,8 +200,10 @@ class LoadRegimes:
             return
         best = max(self.ways, key=lambda w: self._goodput[level, w])
         interval = self._interval.setdefault(level, self._explore_min)
-        if ended and self._exploring:  # the epoch just counted tried another way: did it win?
-            interval = self._explore_min if self.current == best else min(self._explore_max, 2 * interval)
+        if ended and self._exploring:  # the epoch just counted tried another way: did it lose clearly?
+            tried = self._goodput[level, self.current]
+            lost = tried < (1 - self.margin) * self._goodput[level, best]
+            interval = min(self._explore_max, 2 * interval) if lost else self._explore_min
             self._interval[level] = interval
         self._exploring = False
         waited = self._waited.get(level, 0) + int(ended)

@@ -134,6 +134,19 @@ def test_under_load_each_way_is_tried_then_the_best_runs_and_the_others_are_trie
     assert ways.count(2) / len(ways) > 0.9
 
 
+def test_a_close_contest_keeps_being_looked_at():
+    """Ways within the margin of each other (noise could have picked either): the other way is tried
+    every few epochs for good, not ever less often."""
+    from specdec.core.goodput import LoadRegimes
+
+    regimes = LoadRegimes(epoch_s=0.5, explore_every=4, max_explore_every=32, margin=0.1)
+    regimes.adaptive_sessions = 4
+    regimes.observe(4, 0, 0.0)
+    ways, _ = _epochs(regimes, {LoadRegimes.CAPPED: 1000.0, 2: 1050.0}, 60)
+    tries = [i for i, w in enumerate(ways) if w == LoadRegimes.CAPPED and i > 0]
+    assert [b - a for a, b in zip(tries, tries[1:])] == [4] * (len(tries) - 1) and len(tries) > 10
+
+
 def test_the_way_that_starts_to_win_takes_over():
     from specdec.core.goodput import LoadRegimes
 
