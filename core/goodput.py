@@ -127,8 +127,9 @@ def load_cap(alpha: float, cost_per_token_s: float, goodput_tokens_per_s: float,
 class LoadRegimes:
     """Under load, which way of choosing adaptive requests' k serves the batch best, found by trying each.
 
-    The ways: ``CAPPED`` (each request's k capped by `load_cap`, the model above) and fixed k = 1, 2,
-    3 for every adaptive request. The model prices a draft token from fitted costs, and where those
+    The ways: ``CAPPED`` (each request's k capped by `load_cap`, the model above) and k = 2 for every
+    adaptive request (k = 1, 2 and 3 as three ways were tried too, and measured worse: each way tried
+    costs, and more ways meant more epochs on losing ones). The model prices a draft token from fitted costs, and where those
     miss what drafting does to a batch (batches split while some sessions wait for their blocks, a
     batched draft forward's time counted once for each session drafted in it) it holds k at 0 where
     drafting pays: in one process at 4 sessions, fixed k = 2 ran at 1.15x plain decoding and capped

@@ -334,7 +334,7 @@ class AsyncVerifierEngine:
         self._loop: asyncio.AbstractEventLoop | None = None  # set by verify(): where the KV writer runs
         self.batch_sizes: collections.Counter[int] = collections.Counter()  # sessions per forward, for benchmarks
         self.batch_costs = BatchCostModel()  # what a verified row costs under the load now (core/goodput.py)
-        self.load_regimes = LoadRegimes()  # under load: adaptive k capped by that model, or each request's own, as measured
+        self.load_regimes = LoadRegimes()  # under load: adaptive k capped by that model, or a fixed k, as measured
         self._last_batch_end: float | None = None
         self.metrics = metrics
         if metrics is not None:
