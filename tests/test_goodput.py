@@ -105,6 +105,34 @@ def test_alone_the_load_cap_leaves_k_to_the_request():
     assert loop(8)._next_k() == 0  # in company, a draft token must pay for the whole batch
 
 
+def test_a_fault_in_the_batch_bookkeeping_costs_no_session_its_step(tiny_pair):
+    """The cost models steer speed only: if one raises, every step of the batch still gets its
+    outcome and later batches still run."""
+    import asyncio
+    import secrets
+
+    from specdec.core.sampling import SamplingParams
+    from specdec.core.steps import DraftProposal, SessionSpec
+    from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
+
+    engine = AsyncVerifierEngine(VerifierEngine.from_config(TargetConfig(tiny_pair[0])), threaded=False)
+    faults = []
+
+    def broken(*args, **kw):
+        faults.append(args)
+        raise ZeroDivisionError("a bug in the bookkeeping")
+
+    engine.load_regimes.observe = broken
+
+    async def go():
+        sid = secrets.token_hex(16)
+        await engine.open(SessionSpec(sid, (5, 6, 7), SamplingParams()), 16)
+        return [await asyncio.wait_for(engine.verify(sid, DraftProposal(())), 10) for _ in range(3)]
+
+    outcomes = asyncio.run(go())
+    assert [len(o.token_ids) for o in outcomes] == [1, 1, 1] and len(faults) == 3
+
+
 # ----------------------------------------------------------------------------- which way under load, measured
 def _epochs(regimes, rates: dict, n: int, sessions: int = 4, start: float = 0.0) -> tuple[list, float]:
     """Run n epochs of 10 batches; each batch commits what the way running then would commit in its time."""

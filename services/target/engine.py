@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from specdec.metrics import VerifierMetrics
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 # Opens of one prefill batch whose prompts share at least this many leading tokens compute them once.
 MIN_SHARED_PREFIX = 16
 
@@ -454,15 +456,19 @@ class AsyncVerifierEngine:
                     raise
                 continue
             ended = time.perf_counter()
-            since = None if self._last_batch_end is None else ended - self._last_batch_end
-            self._last_batch_end = ended
-            committed = sum(len(r.token_ids) for r in results if isinstance(r, VerifyOutcome))
-            self.batch_costs.observe(sum(len(p.token_ids) + 1 for _, p, _ in batch), ended - started, committed, since,
-                                     drafts=sum(len(p.token_ids) for _, p, _ in batch))
-            self.load_regimes.observe(len(self.engine.sessions), committed, ended)
+            # The steps' outcomes first: a fault in the bookkeeping below must cost no session its step.
             for (_, _, done), result in zip(batch, results):
                 if not done.done():
                     done.set_exception(result) if isinstance(result, BaseException) else done.set_result(result)
+            since = None if self._last_batch_end is None else ended - self._last_batch_end
+            self._last_batch_end = ended
+            committed = sum(len(r.token_ids) for r in results if isinstance(r, VerifyOutcome))
+            try:
+                self.batch_costs.observe(sum(len(p.token_ids) + 1 for _, p, _ in batch), ended - started, committed, since,
+                                         drafts=sum(len(p.token_ids) for _, p, _ in batch))
+                self.load_regimes.observe(len(self.engine.sessions), committed, ended)
+            except Exception:  # speed's bookkeeping, not output: log it and keep batching
+                log.exception("verify batch bookkeeping failed")
 
     @property
     def open_sessions(self) -> int:
