@@ -142,8 +142,11 @@ class LoadRegimes:
     next other way is tried again, an interval that doubles each time the way tried loses by more
     than ``margin`` (up to ``max_explore_every``) and starts again from ``explore_every`` when it
     does not: ways that keep losing by much cost little, and a close contest, where one noisy epoch
-    could pick the wrong way, is looked at often (an epoch here varies by 10-30%). An epoch whose load level
-    changed, or in which no adaptive request was open, is not counted. Pure: the caller passes the clock.
+    could pick the wrong way, is looked at often (an epoch here varies by 10-30%). A fixed k that
+    lost clearly at a lower load level is first tried at a higher one only after the longest
+    interval (speculation pays less as the batch grows; at 64 sessions early tries of k = 2 cost the
+    level 10-20%). An epoch whose load level changed, or in which no adaptive request was open, is
+    not counted. Pure: the caller passes the clock.
     """
 
     CAPPED = "capped"
@@ -192,15 +195,30 @@ class LoadRegimes:
         self._goodput[key] = g if old is None else (1 - self._rate) * old + self._rate * g
         self._begin(level, now, ended=True)
 
+    def _lost_below(self, level: int, way: str | int) -> bool:
+        """Whether ``way``, a fixed k, lost by more than the margin at some lower load level: speculation
+        pays less as the batch grows, so a higher level need not try it first (the model's way, ways[0],
+        is always tried)."""
+        if way == self.ways[0]:
+            return False
+        for (lower, w), g in self._goodput.items():
+            if w == way and lower < level:
+                best = max(self._goodput.get((lower, v), 0.0) for v in self.ways)
+                if g < (1 - self.margin) * best:
+                    return True
+        return False
+
     def _begin(self, level: int, now: float, ended: bool = False) -> None:
         """Start an epoch at ``level``; ``ended``: the previous one was counted (else it was dropped)."""
         self._level, self._start, self._tokens = level, now, 0
         untried = [w for w in self.ways if (level, w) not in self._goodput]
-        if untried:  # each way once first
-            self.current = untried[0]
+        fresh = [w for w in untried if not self._lost_below(level, w)]
+        if fresh:  # each way once first
+            self.current = fresh[0]
             return
-        best = max(self.ways, key=lambda w: self._goodput[level, w])
-        interval = self._interval.setdefault(level, self._explore_min)
+        best = max((w for w in self.ways if w not in untried), key=lambda w: self._goodput[level, w])
+        # A fixed k that lost clearly under less load waits the longest interval before its first try here.
+        interval = self._interval.setdefault(level, self._explore_max if untried else self._explore_min)
         if ended and self._exploring:  # the epoch just counted tried another way: did it lose clearly?
             tried = self._goodput[level, self.current]
             lost = tried < (1 - self.margin) * self._goodput[level, best]

@@ -175,6 +175,26 @@ def test_a_close_contest_keeps_being_looked_at():
     assert [b - a for a, b in zip(tries, tries[1:])] == [4] * (len(tries) - 1) and len(tries) > 10
 
 
+def test_a_fixed_k_that_lost_under_less_load_is_not_tried_early_under_more():
+    """Speculation pays less as the batch grows: k = 2, a clear loser at 4 sessions, waits the
+    longest interval before its first try at 16; one that won at 4 is tried at 16 at once."""
+    from specdec.core.goodput import LoadRegimes
+
+    def at_16_after(rate_4: float) -> list:
+        regimes = LoadRegimes(epoch_s=0.5, explore_every=4, max_explore_every=16)
+        regimes.adaptive_sessions = 4
+        regimes.observe(4, 0, 0.0)
+        _, now = _epochs(regimes, {LoadRegimes.CAPPED: 500.0, 2: rate_4}, 6, sessions=4)
+        regimes.observe(16, 0, now + 0.01)  # the load grows: a new level
+        ways, _ = _epochs(regimes, {LoadRegimes.CAPPED: 1400.0, 2: 1000.0}, 20, sessions=16, start=now + 0.01)
+        return ways
+
+    lost = at_16_after(400.0)
+    assert lost[:16] == [LoadRegimes.CAPPED] * 16 and lost[16] == 2  # first tried after 16 epochs
+    won = at_16_after(600.0)
+    assert won[:2] == [LoadRegimes.CAPPED, 2]
+
+
 def test_the_way_that_starts_to_win_takes_over():
     from specdec.core.goodput import LoadRegimes
 
