@@ -195,18 +195,15 @@ class LoadRegimes:
         self._goodput[key] = g if old is None else (1 - self._rate) * old + self._rate * g
         self._begin(level, now, ended=True)
 
+    def _lost(self, level: int, way: str | int) -> bool:
+        """Whether ``way``, tried at ``level``, trails the best way tried there by more than the margin."""
+        best = max(self._goodput.get((level, w), 0.0) for w in self.ways)
+        return self._goodput[level, way] < (1 - self.margin) * best
+
     def _lost_below(self, level: int, way: str | int) -> bool:
-        """Whether ``way``, a fixed k, lost by more than the margin at some lower load level: speculation
-        pays less as the batch grows, so a higher level need not try it first (the model's way, ways[0],
-        is always tried)."""
-        if way == self.ways[0]:
-            return False
-        for (lower, w), g in self._goodput.items():
-            if w == way and lower < level:
-                best = max(self._goodput.get((lower, v), 0.0) for v in self.ways)
-                if g < (1 - self.margin) * best:
-                    return True
-        return False
+        """Whether ``way``, a fixed k, lost at some lower load level: speculation pays less as the
+        batch grows, so a higher level need not try it first (the model's way, ways[0], is always tried)."""
+        return way != self.ways[0] and any(self._lost(lower, w) for lower, w in self._goodput if w == way and lower < level)
 
     def _begin(self, level: int, now: float, ended: bool = False) -> None:
         """Start an epoch at ``level``; ``ended``: the previous one was counted (else it was dropped)."""
@@ -220,9 +217,7 @@ class LoadRegimes:
         # A fixed k that lost clearly under less load waits the longest interval before its first try here.
         interval = self._interval.setdefault(level, self._explore_max if untried else self._explore_min)
         if ended and self._exploring:  # the epoch just counted tried another way: did it lose clearly?
-            tried = self._goodput[level, self.current]
-            lost = tried < (1 - self.margin) * self._goodput[level, best]
-            interval = min(self._explore_max, 2 * interval) if lost else self._explore_min
+            interval = min(self._explore_max, 2 * interval) if self._lost(level, self.current) else self._explore_min
             self._interval[level] = interval
         self._exploring = False
         waited = self._waited.get(level, 0) + int(ended)
