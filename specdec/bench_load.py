@@ -3,7 +3,7 @@
 At each level, that many clients send requests back to back until the level has generated its
 share of tokens; the verifier batches the verify steps of every ready session. Per level and mode
 (speculation off, each fixed k, adaptive): aggregate tokens/s, time to first token and inter-token
-latency p50/p99, and the mean number of sessions per target forward. With ``--rounds N`` every
+latency p50/p99, the mean number of sessions per target forward, and the draft tokens per step. With ``--rounds N`` every
 mode of a level runs N times, the modes alternated and their order rotated each round (this
 machine drifts by 10-15% within minutes, more than some differences measured): tokens/s is the
 median of the rounds, latency percentiles are over every round's samples. Writes load.json and
@@ -47,6 +47,7 @@ async def run_level(orch, prompts: list[str], level: int, policy: SpeculationPol
     ttft: list[float] = []
     itl: list[float] = []
     tokens = 0
+    spec = {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0}  # over the level's requests: what speculation did
 
     async def client(c: int) -> None:
         nonlocal tokens
@@ -64,11 +65,16 @@ async def run_level(orch, prompts: list[str], level: int, policy: SpeculationPol
                         itl.extend([(now - last) / n] * n)  # n tokens after a gap: n gaps of gap / n
                     last = now
                     tokens += n
+                if chunk.finish_reason is not None:
+                    counters = chunk.counters
+                    spec["steps"] += counters.verify_steps
+                    spec["draft_tokens"] += counters.draft_tokens
+                    spec["accepted_tokens"] += counters.accepted_tokens
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client(c) for c in range(level)))
     elapsed = time.perf_counter() - t0
-    return {"tokens": tokens, "seconds": elapsed, "ttft_s": ttft, "itl_s": itl}
+    return {"tokens": tokens, "seconds": elapsed, "ttft_s": ttft, "itl_s": itl, **spec}
 
 
 def combine(runs: list[dict], level: int) -> dict:
@@ -81,12 +87,16 @@ def combine(runs: list[dict], level: int) -> dict:
     ttft = [x for r in runs for x in r["ttft_s"]]
     itl = [x for r in runs for x in r["itl_s"]]
     itl_mean = statistics.fmean(itl) if itl else float("nan")
+    steps, drafted = sum(r.get("steps", 0) for r in runs), sum(r.get("draft_tokens", 0) for r in runs)
+    accepted = sum(r.get("accepted_tokens", 0) for r in runs)
     return {"tokens_per_s": statistics.median(rates), "tokens_per_s_rounds": rates,
             "decode_tokens_per_s": level / itl_mean if itl else float("nan"), "itl_mean_ms": 1e3 * itl_mean,
             "tokens": sum(r["tokens"] for r in runs), "seconds": sum(r["seconds"] for r in runs),
             "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
             "itl_p50_ms": 1e3 * percentile(itl, 0.5), "itl_p99_ms": 1e3 * percentile(itl, 0.99),
-            "mean_batch_sessions": statistics.fmean(r["mean_batch_sessions"] for r in runs)}
+            "mean_batch_sessions": statistics.fmean(r["mean_batch_sessions"] for r in runs),
+            "draft_tokens_per_step": drafted / steps if steps else float("nan"),
+            "acceptance": accepted / drafted if drafted else float("nan")}
 
 
 async def load_bench(orch, prompts: list[str], levels: list[int], modes: list[str], max_new: int,
@@ -111,7 +121,8 @@ async def load_bench(orch, prompts: list[str], levels: list[int], modes: list[st
             f = results[f"{level}/{mode}"] = combine(runs[mode], level)
             log(f"{level:>3} {mode:>8}: {f['tokens_per_s']:7.1f} tok/s (decoding {f['decode_tokens_per_s']:7.1f})  "
                 f"ttft p50 {f['ttft_p50_ms']:7.1f} ms  "
-                f"itl p50 {f['itl_p50_ms']:6.1f} p99 {f['itl_p99_ms']:6.1f} ms  batch {f['mean_batch_sessions']:.1f}")
+                f"itl p50 {f['itl_p50_ms']:6.1f} p99 {f['itl_p99_ms']:6.1f} ms  batch {f['mean_batch_sessions']:.1f}  "
+                f"drafts/step {f['draft_tokens_per_step']:.2f}")
     return results
 
 

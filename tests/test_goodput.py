@@ -176,7 +176,7 @@ def test_a_close_contest_keeps_being_looked_at():
 
 
 def test_a_fixed_k_that_lost_under_less_load_is_not_tried_early_under_more():
-    """Speculation pays less as the batch grows: k = 2, a clear loser at 4 sessions, waits the
+    """Speculation pays less as the batch grows: k = 2, worse than capped at 4 sessions, waits the
     longest interval before its first try at 16; one that won at 4 is tried at 16 at once."""
     from specdec.core.goodput import LoadRegimes
 
@@ -191,6 +191,7 @@ def test_a_fixed_k_that_lost_under_less_load_is_not_tried_early_under_more():
 
     lost = at_16_after(400.0)
     assert lost[:16] == [LoadRegimes.CAPPED] * 16 and lost[16] == 2  # first tried after 16 epochs
+    assert at_16_after(480.0)[:16] == [LoadRegimes.CAPPED] * 16  # worse by less than the margin: the same
     won = at_16_after(600.0)
     assert won[:2] == [LoadRegimes.CAPPED, 2]
 
