@@ -143,8 +143,8 @@ class LoadRegimes:
     than ``margin`` (up to ``max_explore_every``) and starts again from ``explore_every`` when it
     does not: ways that keep losing by much cost little, and a close contest, where one noisy epoch
     could pick the wrong way, is looked at often (an epoch here varies by 10-30%). A fixed k that
-    did worse at a lower load level, by any amount, is first tried at a higher one only after the longest
-    interval (speculation pays less as the batch grows; at 64 sessions early tries of k = 2 cost the
+    did worse at a lower load level, by any amount, is first tried at a higher one only after the
+    longest interval (speculation pays less as the batch grows; at 64 sessions early tries of k = 2 cost the
     level 10-20%). An epoch whose load level changed, or in which no adaptive request was open, is
     not counted. Pure: the caller passes the clock.
     """
@@ -196,7 +196,8 @@ class LoadRegimes:
         self._begin(level, now, ended=True)
 
     def _lost(self, level: int, way: str | int, margin: float | None = None) -> bool:
-        """Whether ``way``, tried at ``level``, trails the best way tried there by more than the margin."""
+        """Whether ``way``, tried at ``level``, trails the best way tried there by more than ``margin``
+        (None: the class's margin)."""
         best = max(self._goodput.get((level, w), 0.0) for w in self.ways)
         return self._goodput[level, way] < (1 - (self.margin if margin is None else margin)) * best
 

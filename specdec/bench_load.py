@@ -3,11 +3,11 @@
 At each level, that many clients send requests back to back until the level has generated its
 share of tokens; the verifier batches the verify steps of every ready session. Per level and mode
 (speculation off, each fixed k, adaptive): aggregate tokens/s, time to first token and inter-token
-latency p50/p99, the mean number of sessions per target forward, and the draft tokens per step. With ``--rounds N`` every
-mode of a level runs N times, the modes alternated and their order rotated each round (this
-machine drifts by 10-15% within minutes, more than some differences measured): tokens/s is the
-median of the rounds, latency percentiles are over every round's samples. Writes load.json and
-load.png to --out.
+latency p50/p99, the mean number of sessions per target forward, and draft tokens per step and
+their acceptance (from the requests' own counters). With ``--rounds N`` every mode of a level runs
+N times, the modes alternated and their order rotated each round (this machine drifts by 10-15%
+within minutes, more than some differences measured): tokens/s is the median of the rounds,
+latency percentiles are over every round's samples. Writes load.json and load.png to --out.
 """
 from __future__ import annotations
 
