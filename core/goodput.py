@@ -130,10 +130,11 @@ class LoadRegimes:
     The ways: ``CAPPED`` (each request's k capped by `load_cap`, the model above) and k = 2 for every
     adaptive request (k = 1, 2 and 3 as three ways were tried too, and measured worse: each way tried
     costs, and more ways meant more epochs on losing ones). The model prices a draft token from fitted costs, and where those
-    miss what drafting does to a batch (batches split while some sessions wait for their blocks) it
-    can hold k at 0 where drafting pays: in one process at 4 sessions, fixed k = 2 ran at 1.15x
-    plain decoding and capped adaptive, at k = 0 nearly always, at 0.86x (then a batched draft
-    forward's time was also charged whole to each session in it; blocks now carry their share).
+    miss what drafting does to a batch (batches split while some sessions wait for their blocks, a
+    batched draft forward's time counted once for each session drafted in it) it holds k at 0 where
+    drafting pays: in one process at 4 sessions, fixed k = 2 ran at 1.15x plain decoding and capped
+    adaptive, at k = 0 nearly always, at 0.86x (and each request's own step-time model, asked
+    instead, picked 0 as well).
 
     Time is cut into epochs of ``epoch_s``, each run one way; an epoch's goodput is the tokens its
     batches committed over its wall time, kept per load level (open sessions, about a power of two) as

@@ -72,7 +72,6 @@ class StepTiming:
     wait_s: float  # waiting for the step's draft block
     step_s: float  # the whole step, wait and verify included
     draft_s: float = 0.0  # the drafter's own time for the block used (0: none)
-    draft_cost_s: float | None = None  # the block's share of that time, drafted with others' (None: all of it)
     predrafted: bool = False  # the block was drafted while the previous step was verified
 
 
@@ -94,9 +93,7 @@ class StepCostModel:
         # Verify seconds against k (does a draft token make the forward longer, and by how much?);
         # fitted more slowly than a mean, because a slope needs more steps.
         self.verify = _LineFit(rate / 4)
-        # A block's share of the drafter's time over its tokens (what the batch's load cap uses: one
-        # batched forward drafting n sessions' blocks costs each of them 1/n of it).
-        self.draft_per_token = _Ema(rate)
+        self.draft_per_token = _Ema(rate)  # a block's drafting time over its tokens (what the batch's load cap uses)
         # A block's drafting time against k: a block's first token also feeds the tokens the last
         # step committed (a cost per block, not per token), so at k = 1 the time per token is twice
         # the marginal one here (2.4 against 1.0 ms): charged per token, it kept k at 1 where 3 paid.
@@ -112,7 +109,7 @@ class StepCostModel:
         self.other.add(max(0.0, timing.step_s - timing.verify_s - timing.wait_s))
         if k > 0:
             if timing.draft_s > 0:
-                self.draft_per_token.add((timing.draft_s if timing.draft_cost_s is None else timing.draft_cost_s) / k)
+                self.draft_per_token.add(timing.draft_s / k)
                 self.draft.add(k, timing.draft_s)
             waited = not timing.predrafted
             self.miss.add(float(waited))

@@ -57,21 +57,13 @@ class DraftProposal:
     distributions: tuple[SparseDistribution, ...] | None = None
     draft_time_ns: int = 0
     alternatives: tuple[tuple[int, ...], ...] = ()
-    # Drafted in batched forwards with other sessions' blocks: this block's share of that time
-    # (0: drafted alone, all of draft_time_ns). What the block cost the drafter, where
-    # draft_time_ns is how long it took.
-    draft_share_ns: int = 0
-
-    @property
-    def draft_cost_ns(self) -> int:
-        return self.draft_share_ns or self.draft_time_ns
 
     def truncated(self, k: int) -> DraftProposal:
         """The first k draft tokens: a prefix of a block is itself a valid block."""
         if k >= len(self.token_ids):
             return self
         dists = None if self.distributions is None else self.distributions[:k]
-        return DraftProposal(self.token_ids[:k], dists, self.draft_time_ns, self.alternatives[:k], self.draft_share_ns)
+        return DraftProposal(self.token_ids[:k], dists, self.draft_time_ns, self.alternatives[:k])
 
 
 @dataclass(frozen=True)

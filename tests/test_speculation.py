@@ -274,19 +274,3 @@ def test_a_blocks_fixed_drafting_cost_is_not_charged_to_each_of_its_tokens():
     runs = [rate(lambda c: c.next_k(), seed=s) for s in range(3)]
     assert statistics.fmean(r for r, _ in runs) >= 0.95 * best_fixed
     assert statistics.median(k for _, ks in runs for k in ks[100:]) >= 2
-
-
-def test_the_batch_prices_a_draft_token_by_its_blocks_share_of_a_batched_draft():
-    """One batched draft forward drafts several sessions' blocks: the request's own step model times
-    the whole block (what it waited), the batch's load cap prices each token by the block's share.
-    Charged whole, a draft token at 4 sessions cost 4x what it did and the cap held k at 0 where
-    fixed k = 2 paid."""
-    from specdec.core.speculation import StepCostModel
-
-    shared, alone = StepCostModel(), StepCostModel()
-    for _ in range(20):
-        shared.observe(2, StepTiming(verify_s=0.01, wait_s=0.008, step_s=0.019, draft_s=0.008, draft_cost_s=0.002))
-        alone.observe(2, StepTiming(verify_s=0.01, wait_s=0.008, step_s=0.019, draft_s=0.008))
-    assert shared.draft_per_token.get(0.0) == pytest.approx(0.001)
-    assert alone.draft_per_token.get(0.0) == pytest.approx(0.004)
-    assert shared.draft_seconds(2) == pytest.approx(alone.draft_seconds(2))  # the request still waits for all of it

@@ -174,11 +174,8 @@ def propose_together(items: Sequence[tuple[ModelDraftSession, Sequence[int], int
 
     Each session picks its tokens from its own logits with its own sampling and seed, exactly as
     alone; a session whose interrupt fires (after its first token) or whose block is full drops
-    out of the later forwards. Each block carries how long the drafting took and its share of it
-    (each forward's time split evenly over the sessions in it): verifiers price a draft token by the
-    share, since one forward drafted them all."""
+    out of the later forwards."""
     t0 = time.perf_counter_ns()
-    share = [0] * len(items)
     seqs = [list(committed) for _, committed, _ in items]
     drafted: list[list[int]] = [[] for _ in items]
     dists: list[list[SparseDistribution]] = [[] for _ in items]
@@ -186,7 +183,6 @@ def propose_together(items: Sequence[tuple[ModelDraftSession, Sequence[int], int
     interrupts = interrupts or [None] * len(items)
     active = [i for i, (_, _, n) in enumerate(items) if n > 0]
     while active:
-        t_forward = time.perf_counter_ns()
         rows = logits_for_batch([(items[i][0]._kv, seqs[i], 1) for i in active])  # each [1, vocab]
         still = []
         for i, logits in zip(active, rows):
@@ -201,14 +197,9 @@ def propose_together(items: Sequence[tuple[ModelDraftSession, Sequence[int], int
             stop = confidence < session.min_confidence or interrupts[i] is not None and interrupts[i]()
             if len(drafted[i]) < num_tokens and not stop:
                 still.append(i)
-        each = (time.perf_counter_ns() - t_forward) // len(active)
-        for i in active:
-            share[i] += each
         active = still
     elapsed = time.perf_counter_ns() - t0
-    alone = len(items) == 1  # all of the time was its own: no share to tell
-    return [DraftProposal(tuple(drafted[i]), tuple(dists[i]) if dists[i] else None, elapsed, tuple(alts[i]),
-                          0 if alone else max(1, share[i]))
+    return [DraftProposal(tuple(drafted[i]), tuple(dists[i]) if dists[i] else None, elapsed, tuple(alts[i]))
             for i in range(len(items))]
 
 

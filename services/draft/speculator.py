@@ -118,7 +118,7 @@ class SessionSpeculator:
                     continue
                 assumed += proposal.token_ids[:1]
                 proposal = DraftProposal(proposal.token_ids[1:], None if proposal.distributions is None else proposal.distributions[1:],
-                                         proposal.draft_time_ns, proposal.alternatives[1:], proposal.draft_share_ns)
+                                         proposal.draft_time_ns, proposal.alternatives[1:])
             block = DraftBlock(work.anchor_len, assumed, proposal.truncated(self.k) if self.k else proposal)
             if not could_continue(block, self.committed):
                 continue  # an outcome arrived meanwhile and ruled this block out

@@ -208,12 +208,11 @@ class VerifierLoop:
         finished = finished or len(s.committed) >= self.context_length
         predrafted = block is not None and bool(block.assumed_ids)
         timing = StepTiming(verify_s=outcome.verify_time_ns * 1e-9, wait_s=t_block - t0, step_s=t1 - t0,
-                            draft_s=(block.proposal.draft_time_ns * 1e-9) if block is not None else 0.0, predrafted=predrafted,
-                            draft_cost_s=(block.proposal.draft_cost_ns * 1e-9) if block is not None else None)
+                            draft_s=(block.proposal.draft_time_ns * 1e-9) if block is not None else 0.0, predrafted=predrafted)
         self.controller.observe(drafted, outcome.num_accepted, timing)
         costs = getattr(self.engine, "batch_costs", None)
-        if costs is not None and drafted and timing.draft_cost_s:
-            costs.observe_draft(timing.draft_cost_s / drafted)
+        if costs is not None and drafted and timing.draft_s > 0:
+            costs.observe_draft(timing.draft_s / drafted)
         metrics = getattr(self.engine, "metrics", None)
         if metrics is not None:  # the draft wait only means something while a drafter is linked
             metrics.observe_round(drafted, outcome.num_accepted, t_block - t0 if self.link is not None else None)

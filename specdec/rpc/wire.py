@@ -83,8 +83,7 @@ def _dists_from_pb(pbs) -> tuple[SparseDistribution, ...] | None:
 def block_to_pb(b: DraftBlock) -> drafter_pb2.DraftBlock:
     p = b.proposal
     return drafter_pb2.DraftBlock(anchor_len=b.anchor_len, assumed_ids=b.assumed_ids, draft_token_ids=p.token_ids,
-                                  draft_distributions=_dists_to_pb(p.distributions), draft_time_ns=p.draft_time_ns,
-                                  draft_share_ns=p.draft_share_ns)
+                                  draft_distributions=_dists_to_pb(p.distributions), draft_time_ns=p.draft_time_ns)
 
 
 def block_from_pb(pb: drafter_pb2.DraftBlock) -> DraftBlock:
@@ -96,9 +95,7 @@ def block_from_pb(pb: drafter_pb2.DraftBlock) -> DraftBlock:
             max(len(d.token_ids), len(d.probs)) > MAX_DISTRIBUTION_ENTRIES for d in pb.draft_distributions):
         raise InvalidRequest(f"a draft block carries one distribution per draft token, each of at most "
                              f"{MAX_DISTRIBUTION_ENTRIES} entries")
-    # A share above the whole is a drafter's mistake: the whole bounds it.
-    proposal = DraftProposal(tuple(pb.draft_token_ids), _dists_from_pb(pb.draft_distributions), pb.draft_time_ns,
-                             draft_share_ns=min(pb.draft_share_ns, pb.draft_time_ns))
+    proposal = DraftProposal(tuple(pb.draft_token_ids), _dists_from_pb(pb.draft_distributions), pb.draft_time_ns)
     return DraftBlock(pb.anchor_len, tuple(pb.assumed_ids), proposal)
 
 
