@@ -87,7 +87,8 @@ def combine(runs: list[dict], level: int) -> dict:
     ttft = [x for r in runs for x in r["ttft_s"]]
     itl = [x for r in runs for x in r["itl_s"]]
     itl_mean = statistics.fmean(itl) if itl else float("nan")
-    steps, drafted, accepted = (sum(r[key] for r in runs) for key in ("steps", "draft_tokens", "accepted_tokens"))
+    # (A run without counters, as a caller may build one, counts as no steps.)
+    steps, drafted, accepted = (sum(r.get(key, 0) for r in runs) for key in ("steps", "draft_tokens", "accepted_tokens"))
     return {"tokens_per_s": statistics.median(rates), "tokens_per_s_rounds": rates,
             "decode_tokens_per_s": level / itl_mean if itl else float("nan"), "itl_mean_ms": 1e3 * itl_mean,
             "tokens": sum(r["tokens"] for r in runs), "seconds": sum(r["seconds"] for r in runs),
