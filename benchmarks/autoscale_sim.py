@@ -10,7 +10,7 @@ into a `Snapshot` by the real `observe` functions (`PoolWindow`, `verifier_load`
 `run.Autoscaler.step` applies them. Prints a table, writes ``autoscale_<trace>.png`` and
 ``autoscale_sim.json`` to ``--out``.
 
-The model, per second of simulated time (README "The policy against simulated load" says it in words):
+The model, per second of simulated time (deploy/README.md, "The policy against simulated load", says it in words):
   - tokens per round = (1 - alpha^(k+1)) / (1 - alpha) (Leviathan et al., https://arxiv.org/abs/2211.17192);
     a round costs the target ``verify_s(k)`` busy seconds and the drafters k x draft cost;
   - the adaptive k is the k in 0..8 with the most tokens per second of round time;

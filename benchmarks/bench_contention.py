@@ -14,8 +14,9 @@ forward (1 + k rows after --prefix tokens, one thread) in three states, cycled i
                   drafter and verifier are threads of one process and share its GIL)
   beside_spin     a second process runs a pure-Python loop (no vector units, little memory traffic)
 
-The ratio beside / alone bounds what overlap can gain here (FINDINGS: the model-based gain
-assumes the draft costs the verifier nothing).
+The ratio beside / alone bounds what overlap can gain here (the model of overlap's gain in
+docs/performance.md, "How to read these figures", assumes the draft costs the verifier nothing;
+section 1.7 there has this benchmark's figures).
 """
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """Cost and acceptance figures of a target/draft pair (the model card's numbers).
 
     python benchmarks/bench_costs.py [--target PATH --draft PATH] [--prompts 8]
+    python benchmarks/bench_costs.py > benchmarks/results/costs/costs.json   # the model card's figures
 
-Reports, measured in one run with alternating repetitions and medians (FINDINGS.md):
+Reports, measured in one run with alternating repetitions and medians (timings on these machines
+vary 10-15% run to run: docs/performance.md, "How to read these figures"):
   target_step_ms        one decode step of the target, through the verifier's forward (the lean
                         Llama path, oneDNN-packed weights) with a KV cache
   verify_cost_ratio[k]  a verification of k draft tokens (k+1 positions in one forward) / one decode step

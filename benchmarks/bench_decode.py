@@ -1,8 +1,10 @@
 """Tokens/s of target-only decoding vs specdec, on the same prompts and models, in one run.
 
     python benchmarks/bench_decode.py [--target PATH --draft PATH] [--prompts 8] [--max-new-tokens 96]
+    python benchmarks/bench_decode.py --out benchmarks/results/decode/speed.json   # the model card's figures
 
-Methods, run alternately prompt by prompt so machine noise hits all alike (FINDINGS.md):
+Methods, run alternately prompt by prompt so machine noise hits all alike (docs/performance.md,
+"How to read these figures"):
   target_only_hf     transformers generate(), greedy, the target alone (the baseline)
   assisted_hf        transformers assisted generation with the same draft (assistant_model=)
   specdec_k0         specdec with k = 0: target-only decoding through specdec's own forward (lean,

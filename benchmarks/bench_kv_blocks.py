@@ -1,7 +1,7 @@
 """KV blocks in Redis against recomputing: for block sizes B, what writing costs the verify thread,
 what reading a session's prefix back costs, and what recomputing that prefix costs instead.
 
-    python benchmarks/bench_kv_blocks.py --redis-url redis://127.0.0.1:6379/0 --json kv_blocks.json
+    python benchmarks/bench_kv_blocks.py --redis-url redis://127.0.0.1:6379/0 --json benchmarks/results/kv_blocks/kv_blocks.json
 """
 from __future__ import annotations
 

@@ -1,11 +1,13 @@
 """Coupled against rejection verification on the demo pair: per-token acceptance and tokens/s.
 
     python benchmarks/bench_rules.py [--prompts 8] [--max-new-tokens 96] [--temperatures 1.0,0.7]
+    python benchmarks/bench_rules.py --out benchmarks/results/rules/rules.json   # docs/performance.md, 3
 
 Per-token acceptance is measured at k = 1 (one draft per step: accepted / drafted is alpha itself);
 tokens/s with fixed k = 3 and the adaptive policy, all roles in one process, overlap off so the two
-rules meet the same machine noise. Rules alternate prompt by prompt (FINDINGS.md). Coupled outputs
-must not depend on k: the script checks that k = 1, k = 3 and adaptive gave the same tokens.
+rules meet the same machine noise. Rules alternate prompt by prompt (docs/performance.md, "How to
+read these figures"). Coupled outputs must not depend on k: the script checks that k = 1, k = 3 and
+adaptive gave the same tokens.
 """
 from __future__ import annotations
 

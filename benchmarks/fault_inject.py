@@ -11,7 +11,7 @@ SIGSTOP (frozen for ``--stop-s``, then SIGCONT). Every session must complete wit
 tokens an uninterrupted run gives. The pause a fault adds is the longest gap between two messages
 of a session in flight, against the same figure in the rounds without a fault.
 
-Run: python benchmarks/fault_inject.py [--repeats 3] [--out models/demo/faults.json]
+Run: python benchmarks/fault_inject.py [--repeats 3] [--out benchmarks/results/faults/faults.json]
 """
 from __future__ import annotations
 
@@ -122,8 +122,8 @@ class Deployment:
         self.kv_redis = RedisProcess("kv-redis", 0, kv_port, 0,
                                      [redis_server, "--port", str(kv_port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no", "--dir", str(workdir / "redis")], workdir / "logs" / "kv-redis.log")
-        # One torch thread per process and OpenMP threads that sleep when idle (FINDINGS.md: spinning
-        # workers make their neighbours on a small machine many times slower).
+        # One torch thread per process and OpenMP threads that sleep when idle: spinning workers make
+        # their neighbours on a small machine many times slower (docs/performance.md, "How to read these figures").
         self.env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
         common = [sys.executable, "-m", "specdec", "serve", "--target", target, "--draft", draft, "--threads", str(threads),
                   "--tls-cert", str(self.certs["tls.crt"]), "--tls-key", str(self.certs["tls.key"]),

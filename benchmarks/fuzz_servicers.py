@@ -7,7 +7,7 @@ or INTERNAL (an INTERNAL is a bug the last-resort interceptor caught), every rep
 bound, and no worker session is left open when the calls are over.
 
     python benchmarks/fuzz_servicers.py --minutes 3          # the demo pair
-    python benchmarks/fuzz_servicers.py --minutes 1 --json fuzz.json
+    python benchmarks/fuzz_servicers.py --minutes 3 --json benchmarks/results/fuzz/fuzz_results.json   # docs/performance.md, 6
 """
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ verifier (this machine), drafting slows the forward it overlaps, and a session t
 block holds the whole batch back. So the cost of a draft token is also fitted as it is seen, over
 whole cycles (forward and the gap before it): cycle seconds = a + b * sessions + c * drafts, and c
 is used when it is known and larger than the row-and-drafting estimate
-(benchmarks/bench_contention.py measures the first effect: a verification 1.27x as long while
-another process drafts).
+(benchmarks/bench_contention.py measures the first effect; docs/performance.md, 1.7).
 """
 from __future__ import annotations
 
@@ -129,12 +128,11 @@ class LoadRegimes:
 
     The ways: ``CAPPED`` (each request's k capped by `load_cap`, the model above) and k = 2 for every
     adaptive request (k = 1, 2 and 3 as three ways were tried too, and measured worse: each way tried
-    costs, and more ways meant more epochs on losing ones). The model prices a draft token from fitted costs, and where those
+    costs, and more ways meant more epochs on losing ones; docs/decisions/regime-ways-fixed-k.md). The model prices a draft token from fitted costs, and where those
     miss what drafting does to a batch (batches split while some sessions wait for their blocks, a
     batched draft forward's time counted once for each session drafted in it) it holds k at 0 where
-    drafting pays: in one process at 4 sessions, fixed k = 2 ran at 1.15x plain decoding and capped
-    adaptive, at k = 0 nearly always, at 0.86x (and each request's own step-time model, asked
-    instead, picked 0 as well).
+    drafting pays, as measured in one process at 4 sessions (each request's own step-time model,
+    asked instead, picked 0 as well; docs/decisions/goodput-cap-alone.md).
 
     Time is cut into epochs of ``epoch_s``, each run one way; an epoch's goodput is the tokens its
     batches committed over its wall time, kept per load level (open sessions, about a power of two) as
@@ -142,10 +140,10 @@ class LoadRegimes:
     next other way is tried again, an interval that doubles each time the way tried loses by more
     than ``margin`` (up to ``max_explore_every``) and starts again from ``explore_every`` when it
     does not: ways that keep losing by much cost little, and a close contest, where one noisy epoch
-    could pick the wrong way, is looked at often (an epoch here varies by 10-30%). A fixed k that
+    could pick the wrong way, is looked at often (single epochs are noisy: docs/performance.md, 8). A fixed k that
     did worse at a lower load level, by any amount, is first tried at a higher one only after the
-    longest interval (speculation pays less as the batch grows; at 64 sessions early tries of k = 2 cost the
-    level 10-20%). An epoch whose load level changed, or in which no adaptive request was open, is
+    longest interval (speculation pays less as the batch grows, and early tries of it under heavy load
+    cost the level: docs/performance.md, 8). An epoch whose load level changed, or in which no adaptive request was open, is
     not counted. Pure: the caller passes the clock.
     """
 
@@ -204,9 +202,9 @@ class LoadRegimes:
     def _lost_below(self, level: int, way: str | int) -> bool:
         """Whether ``way``, a fixed k, did worse than the best way at some lower load level, by any
         amount: speculation pays less as the batch grows, so a higher level need not try it first
-        (the model's way, ways[0], is always tried). By any amount, not by the margin: at 64
-        sessions each early try of k = 2 cost the level 5-10%, and k = 2 had trailed at 16 by less
-        than the margin in some runs."""
+        (the model's way, ways[0], is always tried). By any amount, not by the margin: early tries
+        under heavy load cost the level even where the fixed k had trailed under less load by less
+        than the margin (docs/performance.md, 8)."""
         return way != self.ways[0] and any(self._lost(lower, w, margin=0.0) for lower, w in self._goodput if w == way and lower < level)
 
     def _begin(self, level: int, now: float, ended: bool = False) -> None:

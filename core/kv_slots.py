@@ -2,7 +2,7 @@
 
 A sequence cache used to be its own growing buffer, which made a batched forward call attention
 once per sequence and layer: at 64 decoding sessions that loop (and its slicing) cost more than
-every GEMM of the forward together (this CPU, demo target: 39 of 53 ms per forward). Here a
+every GEMM of the forward together (docs/performance.md, 8). Here a
 *slab* holds ``SLAB_SLOTS`` sequences, ``[slots, layers, 2 (k, v), kv_heads, context, head_dim]``; a
 sequence owns one slot (a view of it is its ``buf``), and the sessions of a batch that share a
 slab attend as one ``[slots, kv_heads, length, head_dim]`` view, no copy, one SDPA per layer.
@@ -15,8 +15,7 @@ masked). So each slot keeps ``finite``: positions ``[0, finite)`` hold written o
 before a batched read the decoder zeroes each slot's gap up to the read's length (`fill_to`). Each
 position of a slot is zeroed at most once in the slot's life. A slot keeps its pages when its
 sequence ends (the next sequence in it reuses them), so the memory held is the peak of what the live
-sessions reached. Measured on the demo target: 64 slots acquired +0 MiB (768 MiB of address space);
-64 sessions of 150 positions +248 MiB, against 225 MiB of keys and values (page rounding).
+sessions reached, plus page rounding (measured on the demo target: docs/performance.md, 8).
 
 Slots are handed out lowest first, so the live sequences stay packed in the first slabs and a
 batch's view wastes few rows. A slot is released when its cache is garbage (a finalizer) or freed

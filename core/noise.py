@@ -32,10 +32,8 @@ element sits in the block (tested). Another build or vector unit could differ in
 changes a token only at an exact float32 tie. Noise is therefore computed on the CPU; move it with
 ``.to(device)``.
 
-Cost (medians of 3000 calls on the shared, loaded 2-core development VM; the low figure with two torch
-threads, the high one with one): [1, 6144] (one draft token) 0.10 ms; [5, 6144] 0.18-0.28 ms;
-[9, 6144] 0.25-0.51 ms, i.e. 3-8% of the demo target's ~6.5 ms verify step. The two logs are about
-half of it, the hashing about a quarter.
+Cost: a small fraction of a verify step, about half of it the two logs and a quarter the hashing
+(measured per block size: docs/performance.md, 3).
 """
 from __future__ import annotations
 

@@ -95,8 +95,8 @@ class StepCostModel:
         self.verify = _LineFit(rate / 4)
         self.draft_per_token = _Ema(rate)  # a block's drafting time over its tokens (what the batch's load cap uses)
         # A block's drafting time against k: a block's first token also feeds the tokens the last
-        # step committed (a cost per block, not per token), so at k = 1 the time per token is twice
-        # the marginal one here (2.4 against 1.0 ms): charged per token, it kept k at 1 where 3 paid.
+        # step committed (a cost per block, not per token), so at k = 1 the time per token is well
+        # above the marginal one: charged per token, it kept k at 1 where 3 paid (docs/performance.md, 1.4).
         self.draft = _LineFit(rate / 4, prior_slope=None)
         self.miss = _Ema(rate)  # fraction of speculating steps that had to wait for their block
         self.miss_overhead = _Ema(rate)  # a wait's cost beyond the drafting itself (the hop)
@@ -133,9 +133,9 @@ class StepCostModel:
 class _LineFit:
     """y = a + b * k, exponentially weighted; b is fitted once k has varied, because machines
     differ. Until then, ``prior_slope``: b as a share of the mean per draft token (the verify time:
-    4%, the demo pair on an Intel Xeon, 1.16x at k = 4; a forward bound by reading weights costs
-    about the same for 1 row or 5 (an AMD EPYC here: k = 3 verified as fast as k = 2), and a prior
-    that charges every draft token a slope the machine does not have makes k too short), or None:
+    4%, the demo pair's slope on one machine; on another a forward bound by reading weights costs
+    about the same for 1 row or 5, docs/performance.md, 8, and a prior that charges every draft
+    token a slope the machine does not have makes k too short), or None:
     y in proportion to k (a block's drafting time, whose fixed part cannot be told apart yet)."""
 
     PRIOR_SLOPE = 0.04
@@ -176,8 +176,8 @@ class SpeculationController:
 
     Adaptive requests that allow overlap also choose, by measurement, whether the drafter drafts
     ahead: on a machine where drafter and verifier share cores, drafting during a verification
-    slows that verification (here 1.27x beside a drafting process, 1.65x beside a drafting thread:
-    benchmarks/bench_contention.py) by about as much as a pre-drafted block saves, so sequential
+    slows that verification (benchmarks/bench_contention.py; docs/performance.md, 1.7) by about as
+    much as a pre-drafted block saves, so sequential
     steps can be the faster ones; across
     machines, overlap wins. The request keeps a cost model per mode, runs in the better one, and
     every ``EXPLORE_EVERY`` steps spends ``EXPLORE_STEPS`` in the other to keep its figures fresh.

@@ -1,11 +1,13 @@
 """Write models/demo/README.md (the model card) from the measured figures.
 
-    python benchmarks/bench_costs.py > models/demo/costs.json
-    python benchmarks/bench_decode.py --out models/demo/speed.json
+    python benchmarks/bench_costs.py > benchmarks/results/costs/costs.json
+    python benchmarks/bench_decode.py --out benchmarks/results/decode/speed.json
     python scripts/write_model_card.py
 
-training.json comes from scripts/train_demo_pair.py; costs.json from benchmarks/bench_costs.py;
-decode.json from benchmarks/bench_decode.py --out. Nothing here is typed in by hand.
+models/demo/training.json comes from scripts/train_demo_pair.py; costs.json from
+benchmarks/bench_costs.py; speed.json from benchmarks/bench_decode.py --out (both kept, with the
+other benchmarks' runs, under benchmarks/results/; docs/performance.md says when and where each was
+measured). Nothing here is typed in by hand.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "models" / "demo"
+RESULTS = ROOT / "benchmarks" / "results"
 SAMPLE_PROMPT = "def fibonacci(n):"
 
 
@@ -29,8 +33,8 @@ def sample_completion() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--costs", type=Path, default=DEMO / "costs.json")
-    ap.add_argument("--decode", type=Path, default=DEMO / "speed.json")
+    ap.add_argument("--costs", type=Path, default=RESULTS / "costs" / "costs.json")
+    ap.add_argument("--decode", type=Path, default=RESULTS / "decode" / "speed.json")
     args = ap.parse_args()
     card = json.loads((DEMO / "training.json").read_text())
     costs = json.loads(args.costs.read_text())
@@ -63,7 +67,9 @@ A small Llama **target** and **draft** trained from scratch on CPU by `scripts/t
 the Python {tr['python_version']} standard library (test folders skipped), for specdec's embedded
 default and benchmarks. They complete Python code; they are demonstration models, not assistants.
 Everything below was measured by the project's scripts (`scripts/write_model_card.py` writes this
-file from `training.json`, `benchmarks/bench_costs.py` and `benchmarks/bench_decode.py`).
+file from `training.json` and the results of `benchmarks/bench_costs.py` and
+`benchmarks/bench_decode.py`, kept in [`benchmarks/results/`](../../benchmarks/results/); when and
+where they were measured: [docs/performance.md](../../docs/performance.md)).
 
 | | target | draft |
 |---|---|---|

@@ -59,7 +59,7 @@ class TargetConfig:
     # Session KV in Redis (core/redis_kv.py): full blocks of kv_block_tokens written off the verify
     # path, read back when a session opens here that began elsewhere. None: not kept.
     kv_redis_url: str | None = None
-    kv_block_tokens: int = 16  # measured on the demo pair: a 448-token resume in 39 ms at 16, 72 at 64, 113 at 256 (148 recomputed)
+    kv_block_tokens: int = 16  # smaller blocks leave less to recompute on resume (docs/decisions/kv-block-size.md)
     kv_prefix: str = "specdec"  # the key prefix, as the session store's
     # Redis memory per session is capped: positions past this are not kept (a resume recomputes them).
     kv_redis_max_tokens: int = 4096
@@ -120,9 +120,9 @@ class VerifierEngine:
     def open_batch(self, opens: Sequence[tuple[SessionSpec, int | None, Sequence[torch.Tensor]]]) -> list[int | SpecdecError]:
         """Prefill many sessions in one target forward: (spec, max_new_tokens, stored) each, as `open`.
 
-        A prefill is bound by arithmetic rather than by reading weights, yet one forward over 64
-        prompts measured 0.87 s against 1.47 s for 64 forwards on one thread, 0.47 against 0.98 on
-        two (benchmarks/bench_prefill.py). A refused open gets its error in its place and the others
+        A prefill is bound by arithmetic rather than by reading weights, yet one forward over many
+        prompts measured much faster than one forward each (benchmarks/bench_prefill.py;
+        docs/performance.md, 2.1). A refused open gets its error in its place and the others
         go on. Returns each one's time in ns (the whole batch's: each waited for all of it).
         """
         t0 = time.perf_counter_ns()
@@ -354,7 +354,8 @@ class AsyncVerifierEngine:
             try:
                 opened = await self._prefill(spec, max_new_tokens, stored)
                 # The gap before the next batch holds this prefill (and a client's turnaround), not
-                # decoding: it is no cycle for the cost model (it made one draft token look 7 ms dear).
+                # decoding: it is no cycle for the cost model (counted, it made draft tokens look far
+                # dearer than they are: docs/performance.md, 8).
                 self._last_batch_end = None
                 return opened
             except SessionAlreadyOpen:

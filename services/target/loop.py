@@ -160,9 +160,8 @@ class VerifierLoop:
     def _shared_thread_busy(self) -> bool:
         """Whether drafting ahead would take the model thread from other sessions' work: in one
         process the drafter runs on the verifier's thread, which under load is never idle, so a
-        block drafted ahead delays the other sessions' drafts and verifications (`specdec bench
-        --concurrency`, fixed k = 2, alternated runs: 4 sessions 479 / 503 tokens/s drafting ahead,
-        718 / 709 without; 16 sessions 705 / 900 against 1048 / 1177). One session alone still
+        block drafted ahead delays the other sessions' drafts and verifications (measured:
+        docs/decisions/drafting-ahead-in-company.md). One session alone still
         drafts ahead, in the moments the thread waits for the event loop."""
         return getattr(self.engine, "shares_model_thread", False) and getattr(self.engine, "open_sessions", 1) > 1
 

@@ -1,5 +1,5 @@
 """The flags of ``specdec autoscale``, apart from the loop so that building the CLI's parser does
-not import the Kubernetes client (0.5 s on every other command)."""
+not import the Kubernetes client (a slow import every other command would pay: docs/performance.md, 8)."""
 from __future__ import annotations
 
 import argparse

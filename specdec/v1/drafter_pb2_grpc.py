@@ -29,7 +29,7 @@ if _version_not_supported:
 class DrafterStub:
     """Proposes candidate tokens for sessions: a small model, n-gram prompt lookup, or others.
 
-    Topology (chosen by measurement, see README "Running it distributed"): the verifier, which holds
+    Topology (chosen by measurement: docs/decisions/orchestrator-relay.md): the verifier, which holds
     the per-request loop, opens one bidirectional Speculate stream per session to the drafter the
     orchestrator placed the session on. Draft blocks flow drafter -> verifier and step outcomes
     verifier -> drafter, so a step puts one hop, not four, on the critical path, and the drafter can
@@ -58,7 +58,7 @@ class DrafterStub:
 class DrafterServicer:
     """Proposes candidate tokens for sessions: a small model, n-gram prompt lookup, or others.
 
-    Topology (chosen by measurement, see README "Running it distributed"): the verifier, which holds
+    Topology (chosen by measurement: docs/decisions/orchestrator-relay.md): the verifier, which holds
     the per-request loop, opens one bidirectional Speculate stream per session to the drafter the
     orchestrator placed the session on. Draft blocks flow drafter -> verifier and step outcomes
     verifier -> drafter, so a step puts one hop, not four, on the critical path, and the drafter can
@@ -110,7 +110,7 @@ def add_DrafterServicer_to_server(servicer, server):
 class Drafter:
     """Proposes candidate tokens for sessions: a small model, n-gram prompt lookup, or others.
 
-    Topology (chosen by measurement, see README "Running it distributed"): the verifier, which holds
+    Topology (chosen by measurement: docs/decisions/orchestrator-relay.md): the verifier, which holds
     the per-request loop, opens one bidirectional Speculate stream per session to the drafter the
     orchestrator placed the session on. Draft blocks flow drafter -> verifier and step outcomes
     verifier -> drafter, so a step puts one hop, not four, on the critical path, and the drafter can
