@@ -24,7 +24,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     XDG_CACHE_HOME=/tmp/cache
 
 # torch first, from the chosen index, in a layer of its own (the big one, rebuilt only when the
-# variant changes). `pip install .` below then finds torch==2.13.0 satisfied (2.13.0+cpu is 2.13.0).
+# variant changes). `pip install .[server]` below then finds torch==2.13.0 satisfied (2.13.0+cpu is 2.13.0).
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
 WORKDIR /src
@@ -33,7 +33,8 @@ COPY specdec/ specdec/
 COPY core/ core/
 COPY services/ services/
 COPY orchestrator/ orchestrator/
-RUN pip install . && rm -rf /src
+# The server extra: every role runs from this image (plain `specdec` is the client only).
+RUN pip install ".[server]" && rm -rf /src
 
 # A fixed non-root uid/gid, the one the manifests' securityContext names (runAsUser: 10001).
 RUN groupadd --system --gid 10001 specdec \

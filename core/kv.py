@@ -11,18 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-
-def crop_to(cache, length: int) -> None:
-    """Truncate ``cache`` to its first ``length`` positions.
-
-    transformers 5.x ``DynamicCache.crop(n)`` takes a negative count of tokens to drop and rejects a
-    positive n (FINDINGS.md), so translate a target length into that.
-    """
-    current = cache.get_seq_length()
-    if length < 0 or length > current:
-        raise ValueError(f"cannot crop a cache of {current} tokens to {length}")
-    if length < current:
-        cache.crop(length - current)
+# The bookkeeping drives the runner interface, which never imports back; crop_to belongs to the HF
+# runner's truncate and is re-exported here for older callers.
+from specdec.core.runner import Feed, ModelRunner, crop_to, runner_for  # noqa: F401
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -72,10 +63,8 @@ class KVSequence:
     crop is just a shorter valid length; otherwise it is the model's own HF ``DynamicCache``.
     """
 
-    def __init__(self, model: torch.nn.Module, decoder=None, runner=None) -> None:
+    def __init__(self, model: torch.nn.Module, decoder=None, runner: ModelRunner | None = None) -> None:
         """``runner``: the engine's shared runner (sequences batch together only through one runner)."""
-        from specdec.core.runner import runner_for
-
         self._decoder = decoder
         self.runner = runner or runner_for(model, decoder)
         self._cache = self.runner.new_cache()
@@ -109,11 +98,9 @@ class KVSequence:
         self._decoder.write_prefix(self._cache, kv)
         self._cached_ids = list(token_ids)
 
-    def plan(self, token_ids: Sequence[int], num_last: int):
+    def plan(self, token_ids: Sequence[int], num_last: int) -> Feed:
         """The feed that brings the cache to ``token_ids``: keep the longest cached prefix (but feed at
         least ``num_last`` tokens), crop the rest. Run it with `commit` after the runner's forward."""
-        from specdec.core.runner import Feed
-
         if not 1 <= num_last <= len(token_ids):
             raise ValueError(f"num_last must be in [1, {len(token_ids)}], got {num_last}")
         cached = self._cached_ids
@@ -125,7 +112,7 @@ class KVSequence:
             del cached[keep:]
         return Feed(self._cache, keep, list(token_ids[keep:]), num_last)
 
-    def commit(self, feed) -> None:
+    def commit(self, feed: Feed) -> None:
         """The feed ran: its tokens are cached now."""
         self._cached_ids.extend(feed.token_ids)
 

@@ -4,8 +4,9 @@ A batch of feeds (sequence cache, start position, tokens, how many logits) goes 
 logits come out; caches are created, truncated and freed through the runner. Everything above it
 (KV bookkeeping with rollback in core/kv.py, the verifier's batching, the samplers) never reaches
 into the model, so another backend (a GPU runner with paged attention) implements these four
-methods and nothing else. Two implementations: the lean Llama forward, which runs a whole batch in
-one forward, and the Hugging Face fallback, which runs the feeds one after another.
+methods and nothing else. The KV bookkeeping (core/kv.py) imports this module, never the reverse.
+Two implementations: the lean Llama forward, which runs a whole batch in one forward, and the
+Hugging Face fallback, which runs the feeds one after another.
 """
 from __future__ import annotations
 
@@ -14,6 +15,19 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+def crop_to(cache, length: int) -> None:
+    """Truncate ``cache`` to its first ``length`` positions.
+
+    transformers 5.x ``DynamicCache.crop(n)`` takes a negative count of tokens to drop and rejects a
+    positive n, so translate a target length into that.
+    """
+    current = cache.get_seq_length()
+    if length < 0 or length > current:
+        raise ValueError(f"cannot crop a cache of {current} tokens to {length}")
+    if length < current:
+        cache.crop(length - current)
 
 
 @dataclass(frozen=True)
@@ -75,8 +89,6 @@ class HFRunner:
         return DynamicCache(config=self.model.config)
 
     def truncate(self, cache, length: int) -> None:
-        from specdec.core.kv import crop_to
-
         crop_to(cache, length)
 
     def free(self, cache) -> None:

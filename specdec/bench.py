@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import fnmatch
 import os
 import signal
 import sys
@@ -26,62 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec import bench_load, bench_report
+from specdec.bench_common import bench_prompts
+from specdec.bench_methods import DEFAULT_KS, BenchConfig, Method, all_methods, select
 from specdec.bench_runners import BenchError, Deployment, Run, Runners, until_exit_or
-from specdec.core.speculation import SpeculationMode, SpeculationPolicy
-
-DEFAULT_KS = (1, 2, 3, 4, 5, 6, 7, 8)
-MAX_ADAPTIVE_K = 8  # the adaptive upper bound, as `specdec generate` defaults it
-BASELINE = "target_only"
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    target: str
-    draft: str
-    prompts: tuple[str, ...]
-    max_new_tokens: int = 96
-    ks: tuple[int, ...] = DEFAULT_KS
-    methods: tuple[str, ...] = ()  # substrings or globs; empty: all. target_only always runs.
-    distributed: bool = True
-    redis_url: str = ""  # sessions of the distributed orchestrator; "": in its memory
-    out: Path = Path("bench-results")
-    prompt_source: str = ""
-    threads: int | None = 1  # torch threads per model; None: in-process methods choose per forward, as `specdec generate` does
-    draft_min_confidence: float = 0.0  # the drafter's --draft-min-confidence, in every method
-
-
-@dataclass(frozen=True)
-class Method:
-    name: str
-    family: str
-    policy: SpeculationPolicy | None = None  # None: target_only
-    distributed: bool = False
-
-
-def policy(k: int | None, overlap: bool) -> SpeculationPolicy:
-    """Fixed k, or adaptive (k None) starting at 4, up to MAX_ADAPTIVE_K."""
-    if k is None:
-        return SpeculationPolicy(SpeculationMode.ADAPTIVE, 4, MAX_ADAPTIVE_K, overlap=overlap)
-    return SpeculationPolicy(SpeculationMode.FIXED, k, max(k, MAX_ADAPTIVE_K), overlap=overlap)
-
-
-def all_methods(ks: tuple[int, ...]) -> list[Method]:
-    methods = [Method(BASELINE, "target only (HF)"), Method("specdec_k0", "specdec k=0", policy(0, False))]
-    for where, dist in (("inproc", False), ("dist", True)):
-        for mode, overlap in (("seq", False), ("overlap", True)):
-            family = f"{'in-process' if where == 'inproc' else 'distributed'}, {'overlap' if overlap else 'sequential'}"
-            fixed = (4,) if (where, mode) == ("inproc", "overlap") else ks
-            methods += [Method(f"{where}_{mode}_k{k}", family, policy(k, overlap), dist) for k in fixed]
-            methods.append(Method(f"{where}_{mode}_adaptive", family, policy(None, overlap), dist))
-    return methods
-
-
-def select(methods: list[Method], patterns: tuple[str, ...]) -> list[Method]:
-    """Methods whose name contains a pattern or matches it as a glob; the baseline always."""
-    def wanted(name: str) -> bool:
-        return not patterns or any(p in name or fnmatch.fnmatchcase(name, p) for p in patterns)
-
-    return [m for m in methods if m.name == BASELINE or wanted(m.name)]
+from specdec.cli_common import ENV_DRAFT, ENV_REDIS, ENV_TARGET, UsageError, model_path, probability_below_one
 
 
 # ----------------------------------------------------------------------------- the run
@@ -95,8 +43,6 @@ class Results:
 def bench(config: BenchConfig, progress: Callable[..., None] | None = None) -> dict:
     """Run every selected method on every prompt; write bench.json (and bench.png) under ``config.out``
     and return the report (see ``specdec.bench_report.report``)."""
-    from specdec import bench_report
-
     progress = progress or _Progress()
     config.out.mkdir(parents=True, exist_ok=True)
     methods = select(all_methods(config.ks), config.methods)
@@ -157,8 +103,8 @@ class _Progress:
 
 # ----------------------------------------------------------------------------- command line
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target model folder (default: $SPECDEC_TARGET_MODEL or the demo pair)")
-    p.add_argument("--draft", help="draft model folder (default: $SPECDEC_DRAFT_MODEL or the demo pair)")
+    p.add_argument("--target", help=f"target model folder (default: ${ENV_TARGET} or the demo pair)")
+    p.add_argument("--draft", help=f"draft model folder (default: ${ENV_DRAFT} or the demo pair)")
     p.add_argument("--prompts", type=int, default=8, help="number of prompts (default 8)")
     p.add_argument("--prompts-file", help="prompts: a JSON list of strings, or one per line "
                                           "(default: the pair's held-out files, else built-in code openings)")
@@ -166,13 +112,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", default=",".join(map(str, DEFAULT_KS)), help="fixed speculation lengths (default 1,...,8)")
     p.add_argument("--methods", default="", help="comma-separated substrings or globs of method names (target_only always runs)")
     p.add_argument("--skip-distributed", action="store_true", help="no `specdec up`: in-process methods only")
-    p.add_argument("--redis-url", default=os.environ.get("SPECDEC_REDIS_URL", "redis://127.0.0.1:6379/0"),
+    p.add_argument("--redis-url", default=os.environ.get(ENV_REDIS, "redis://127.0.0.1:6379/0"),
                    help="session store of the distributed orchestrator ('' keeps sessions in its memory)")
     p.add_argument("--threads", default="1", help="torch threads per model, in every method (default 1); 'auto': one "
                    "process measures 1..cores per forward as `specdec generate` does (the HF baseline gets every core, "
                    "`specdec up`'s processes 1 each)")
-    from specdec.cli import probability_below_one
-
     p.add_argument("--draft-min-confidence", type=probability_below_one, default=0.0, metavar="P",
                    help="the drafter ends a block after a token it gives less than P probability (default 0: blocks of k)")
     p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png (default ./bench-results)")
@@ -187,10 +131,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The ``specdec bench`` command: 0 when every output equals target-only's, else 1."""
-    from specdec import bench_report
-    from specdec.bench_common import bench_prompts
-    from specdec.cli import ENV_DRAFT, ENV_TARGET, UsageError, model_path
-
     try:
         ks = tuple(sorted({int(k) for k in args.k.split(",") if k.strip()}))
     except ValueError:
@@ -212,8 +152,6 @@ def run(args: argparse.Namespace) -> int:
                          args.redis_url, Path(args.out), source, threads, args.draft_min_confidence)
     # Ctrl-C raises KeyboardInterrupt; make SIGTERM unwind the same way so `specdec up` is stopped.
     if args.concurrency:
-        from specdec import bench_load
-
         try:
             levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
             modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -5,9 +5,9 @@ share of tokens; the verifier batches the verify steps of every ready session. P
 (speculation off, each fixed k, adaptive): aggregate tokens/s, time to first token and inter-token
 latency p50/p99, the mean number of sessions per target forward, and draft tokens per step and
 their acceptance (from the requests' own counters). With ``--rounds N`` every mode of a level runs
-N times, the modes alternated and their order rotated each round (this machine drifts by 10-15%
-within minutes, more than some differences measured): tokens/s is the median of the rounds,
-latency percentiles are over every round's samples. Writes load.json and load.png to --out.
+N times, the modes alternated and their order rotated each round (a machine's speed drifts within
+minutes by more than some differences measured; docs/performance.md): tokens/s is the median of the
+rounds, latency percentiles are over every round's samples. Writes load.json and load.png to --out.
 """
 from __future__ import annotations
 

@@ -15,13 +15,13 @@ import json
 import time
 from pathlib import Path
 
-from specdec.bench import BASELINE
 from specdec.bench_common import machine
+from specdec.bench_methods import BASELINE
 from specdec.core.sessions import SpecCounters
 
 
 def report(config, results) -> dict:
-    """The JSON report of one run (``config``: BenchConfig, ``results``: bench.Results)."""
+    """The JSON report of one run (``config``: BenchConfig, ``results``: specdec.bench.Results)."""
     rows = {m.name: _row(m.family, results.runs[m.name]) for m in results.methods}
     base = rows[BASELINE]["tokens_per_s"]
     for row in rows.values():

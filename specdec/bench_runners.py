@@ -12,13 +12,10 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from specdec.bench_methods import BenchConfig, Method
 from specdec.core.sessions import SpecCounters
 from specdec.core.speculation import SpeculationMode, SpeculationPolicy
-
-if TYPE_CHECKING:
-    from specdec.bench import BenchConfig, Method
 
 
 class BenchError(Exception):

@@ -1,4 +1,10 @@
-"""The ``specdec`` command: generate, serve one role, or bring all roles up locally."""
+"""The ``specdec`` command: generate, serve one role, or bring all roles up locally.
+
+The composition root: it imports the roles, ``specdec bench`` and the autoscaler, and none of them
+imports it back (what they share is specdec.cli_common). Only grpcio and protobuf are needed to
+load this module and run ``generate --server``; the server commands import the server extra
+(torch, transformers, redis, ...) when they run, and without it say what to install.
+"""
 from __future__ import annotations
 
 import argparse
@@ -13,44 +19,31 @@ import sys
 import time
 from pathlib import Path
 
+from specdec.cli_common import (
+    ENV_API_KEY,
+    ENV_API_KEYS_FILE,
+    ENV_DRAFT,
+    ENV_REDIS,
+    ENV_SERVICE_TOKEN,
+    ENV_TARGET,
+    MODEL_PACKAGES,
+    ROLE_PACKAGES,
+    SERVER_EXTRA_HINT,
+    UsageError,
+    model_path,
+    probability_below_one,
+    require_server_extra,
+    server_package_of,
+)
 from specdec.core.errors import SpecdecError
-from specdec.core.sampling import SamplingParams, VerificationRule
-from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 
-DEMO_DIR = Path(__file__).resolve().parents[1] / "models" / "demo"
-ENV_TARGET, ENV_DRAFT, ENV_REDIS = "SPECDEC_TARGET_MODEL", "SPECDEC_DRAFT_MODEL", "SPECDEC_REDIS_URL"
-# Secrets come from files or the environment, never from argv (which `ps` shows to everyone).
-ENV_API_KEY, ENV_API_KEYS_FILE, ENV_SERVICE_TOKEN = "SPECDEC_API_KEY", "SPECDEC_API_KEYS_FILE", "SPECDEC_SERVICE_TOKEN"
 PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
-
-
-class UsageError(Exception):
-    """A mistake on the command line; printed without a traceback."""
-
-
-def model_path(flag: str | None, env: str, demo: str) -> str:
-    """A model folder from the flag, else the environment, else the bundled demo pair."""
-    path = flag or os.environ.get(env) or (str(DEMO_DIR / demo) if (DEMO_DIR / demo / "config.json").is_file() else None)
-    if not path:
-        raise UsageError(
-            f"no {demo} model: pass --{demo} PATH (a folder saved with save_pretrained) or set {env}; "
-            f"the demo pair is expected at {DEMO_DIR / demo}"
-        )
-    return path
+# What of the server extra each command needs (import names); `generate --server` needs none of it.
+NEEDS = {"generate": MODEL_PACKAGES, "serve": ROLE_PACKAGES, "up": ROLE_PACKAGES, "bench": ROLE_PACKAGES,
+         "certs": ("cryptography",), "autoscale": ("kubernetes", "prometheus_client")}
 
 
 # ----------------------------------------------------------------------------- arguments
-def probability_below_one(text: str) -> float:
-    """A probability in [0, 1), for argparse."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
-    return value
-
-
 def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool = True) -> None:
     if target:
         p.add_argument("--target", help=f"target model folder (default: ${ENV_TARGET} or the demo pair)")
@@ -219,6 +212,8 @@ def server_credentials(args) -> tuple["Credentials", str | None]:
 
 
 def request_from_args(args) -> "GenerationRequest":
+    from specdec.core.sampling import SamplingParams, VerificationRule
+    from specdec.core.speculation import SpeculationMode, SpeculationPolicy
     from specdec.orchestrator.request import GenerationRequest
 
     seed = args.seed if args.seed is not None else secrets.randbits(63)
@@ -245,8 +240,8 @@ async def _generate_embedded(args) -> int:
     request = request_from_args(args)
     fast = not args.reference_forward
     # Drafter and verifier take turns on one model thread; unless --threads fixes it, each forward's
-    # torch thread count is chosen by measuring (all cores are ~1.5x faster on an idle 2-core
-    # machine, and 4-5x slower than one thread while another process keeps a core busy).
+    # torch thread count is chosen by measuring: more threads win on an idle machine and lose badly
+    # while another process keeps a core busy (docs/performance.md).
     threads = args.threads
     orch = roles.embedded(TargetConfig(target, threads=threads, fast_forward=fast),
                           DraftConfig(draft, target, threads=threads, fast_draft_forward=fast, draft_dtype=args.draft_dtype,
@@ -416,7 +411,7 @@ def _up(args) -> int:
     common = [sys.executable, "-m", "specdec", "serve", "--host", args.host, "--target", target, "--draft", draft]
     # The processes share this machine's cores: one torch thread per model process unless told
     # otherwise, and OpenMP threads that sleep when idle instead of spinning on a core another
-    # process needs (FINDINGS.md: spinning made a neighbour 20-100x slower).
+    # process needs (spinning slows a neighbour many times over; docs/performance.md).
     common += ["--threads", str(args.threads or 1)]
     # A fresh service token per run, through the environment: only these processes hold it.
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
@@ -500,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        if not (args.command == "generate" and args.server):
+            require_server_extra(args.command, NEEDS[args.command])
         if args.command == "generate":
             return asyncio.run(_generate_remote(args) if args.server else _generate_embedded(args))
         if args.command == "serve":
@@ -522,4 +519,10 @@ def main(argv: list[str] | None = None) -> int:
         return _up(args)
     except (UsageError, SpecdecError) as exc:
         print(f"specdec: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # a server package missing that the check above did not foresee
+        if server_package_of(exc) is None:
+            raise
+        print(f"specdec: `specdec {args.command}` needs {server_package_of(exc)}, which is not installed: "
+              f"{SERVER_EXTRA_HINT}", file=sys.stderr)
         return 2

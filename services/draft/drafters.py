@@ -1,80 +1,26 @@
-"""The drafter interface and the one registry that chooses an implementation by name."""
+"""The one registry that chooses a drafter implementation by name.
+
+Every implementation is listed here, explicitly; each imports only the base types
+(specdec.draft.base), never this module. The base types are re-exported for callers that take a
+drafter from here.
+"""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
-
 from specdec.core.errors import InvalidRequest
-from specdec.core.sampling import SamplingParams
-from specdec.core.steps import DraftProposal
+from specdec.draft import model_drafter, ngram
+from specdec.draft.base import DraftConfig, Drafter, DrafterFactory, DraftSession  # noqa: F401 (re-exported)
 
-
-class DraftSession(Protocol):
-    """One session's drafting state (e.g. a KV cache)."""
-
-    def propose(self, committed: Sequence[int], num_speculative_tokens: int, num_alternatives: int = 0,
-                interrupt: Callable[[], bool] | None = None) -> DraftProposal:
-        """Propose up to ``num_speculative_tokens`` tokens to follow ``committed`` (prompt included).
-
-        ``num_alternatives``: per position, up to that many next likeliest tokens besides the draft
-        (``DraftProposal.alternatives``), where the drafter has any. ``interrupt`` is polled between
-        tokens; when it returns True the drafter may stop early (a shorter block is still valid).
-        """
-        ...
-
-
-class Drafter(Protocol):
-    """A way of proposing tokens, shared by all sessions that chose it."""
-
-    name: str
-    vocab_size: int  # 0 when the drafter needs no model
-
-    def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> DraftSession: ...
-
-
-@dataclass(frozen=True)
-class DraftConfig:
-    """What the draft worker serves. Built once, passed explicitly."""
-
-    draft_model_path: str | None = None  # None: only model-free drafters
-    target_model_path: str | None = None  # if set, the draft's tokenizer is checked against it at start-up
-    proposal_top_k: int = 32  # a model drafter samples from, and sends, its top-K renormalised distribution
-    fast_draft_forward: bool = True  # lean Llama decode path (specdec.core.llama_decode) when supported
-    draft_dtype: str = "float32"  # lean path's precision: float32 | bfloat16 (CPUs with native bf16 only)
-    # A model drafter ends a block after a token it gives less probability than this (0: every
-    # block is as long as the verifier asked): k becomes an upper bound, and a long k costs little.
-    min_confidence: float = 0.0
-    ngram_max: int = 3
-    ngram_min: int = 1
-    max_sessions: int = 256
-    # Longest sequence a session may hold: the draft model's context caps it too; for model-free
-    # drafters (n-gram) this is the only bound on what a session keeps.
-    max_session_tokens: int = 1 << 16
-    idle_timeout_s: float = 300.0
-    threads: int | None = None
-    thread_nice: int = 10  # niceness of the draft thread: yields cores to a verifier and event loops sharing them
-
-
-DrafterFactory = Callable[[DraftConfig], Drafter | None]
-_REGISTRY: dict[str, DrafterFactory] = {}
-
-
-def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
-    """Register a factory; it returns None when the configuration cannot serve this drafter."""
-
-    def wrap(factory: DrafterFactory) -> DrafterFactory:
-        _REGISTRY[name] = factory
-        return factory
-
-    return wrap
+# name (the request's `drafter` field) -> factory; a factory returns None when the configuration
+# cannot serve that drafter (no draft model configured, ...).
+REGISTRY: dict[str, DrafterFactory] = {
+    "model": model_drafter.build,
+    "ngram": ngram.build,
+}
 
 
 def build_drafters(config: DraftConfig) -> dict[str, Drafter]:
     """Every registered drafter this configuration can serve, by name."""
-    from specdec.draft import model_drafter, ngram  # noqa: F401  (registration side effect)
-
-    built = {name: factory(config) for name, factory in _REGISTRY.items()}
+    built = {name: factory(config) for name, factory in REGISTRY.items()}
     return {name: d for name, d in built.items() if d is not None}
 
 

@@ -25,7 +25,7 @@ from specdec.core.llama_decode import LlamaDecoder, supports
 from specdec.core.models import LoadedModel, check_same_tokenizer, load_causal_lm
 from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from
 from specdec.core.steps import DraftProposal, SparseDistribution
-from specdec.draft.drafters import DraftConfig, register
+from specdec.draft.base import DraftConfig
 
 
 def truncate_top_k(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,8 +159,8 @@ DRAFT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def resolve_draft_dtype(name: str) -> torch.dtype:
     """bf16 halves the bytes a draft step reads, which pays off once a draft's step is bound by its
-    weights rather than by per-op overhead (the 1.6M demo draft mostly is not: 0.80 against 0.87 ms a
-    token). The draft's precision never changes what the verifier accepts, only how often. Whether
+    weights rather than by per-op overhead (a tiny draft mostly is not; docs/performance.md has the
+    figures). The draft's precision never changes what the verifier accepts, only how often. Whether
     the CPU runs bf16 natively is LlamaDecoder's check."""
     if name not in DRAFT_DTYPES:
         raise ValueError(f"draft dtype must be one of {', '.join(DRAFT_DTYPES)}; got {name!r}")
@@ -231,8 +231,8 @@ class ModelDrafter:
         return sessions
 
 
-@register("model")
-def _build(config: DraftConfig) -> ModelDrafter | None:
+def build(config: DraftConfig) -> ModelDrafter | None:
+    """The registry's factory (specdec.draft.drafters): None without a draft model."""
     if not config.draft_model_path:
         return None
     dtype = resolve_draft_dtype(config.draft_dtype)  # before the load: a typo should fail fast

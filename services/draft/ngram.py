@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 from specdec.core.sampling import SamplingParams
 from specdec.core.steps import DraftProposal
-from specdec.draft.drafters import DraftConfig, register
+from specdec.draft.base import DraftConfig
 
 
 def lookup(tokens: Sequence[int], num_speculative_tokens: int, ngram_max: int, ngram_min: int) -> tuple[int, ...]:
@@ -56,6 +56,6 @@ class NgramDrafter:
         return NgramSession(self._max, self._min)
 
 
-@register("ngram")
-def _build(config: DraftConfig) -> NgramDrafter:
+def build(config: DraftConfig) -> NgramDrafter:
+    """The registry's factory (specdec.draft.drafters)."""
     return NgramDrafter(config.ngram_max, config.ngram_min)

@@ -1,0 +1,66 @@
+"""What ``specdec bench`` compares: its configuration and the methods, by name.
+
+Shared by the run (specdec.bench), the runners (specdec.bench_runners) and the report
+(specdec.bench_report); imports none of them.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+
+DEFAULT_KS = (1, 2, 3, 4, 5, 6, 7, 8)
+MAX_ADAPTIVE_K = 8  # the adaptive upper bound, as `specdec generate` defaults it
+BASELINE = "target_only"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str
+    draft: str
+    prompts: tuple[str, ...]
+    max_new_tokens: int = 96
+    ks: tuple[int, ...] = DEFAULT_KS
+    methods: tuple[str, ...] = ()  # substrings or globs; empty: all. target_only always runs.
+    distributed: bool = True
+    redis_url: str = ""  # sessions of the distributed orchestrator; "": in its memory
+    out: Path = Path("bench-results")
+    prompt_source: str = ""
+    threads: int | None = 1  # torch threads per model; None: in-process methods choose per forward, as `specdec generate` does
+    draft_min_confidence: float = 0.0  # the drafter's --draft-min-confidence, in every method
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    family: str
+    policy: SpeculationPolicy | None = None  # None: target_only
+    distributed: bool = False
+
+
+def policy(k: int | None, overlap: bool) -> SpeculationPolicy:
+    """Fixed k, or adaptive (k None) starting at 4, up to MAX_ADAPTIVE_K."""
+    if k is None:
+        return SpeculationPolicy(SpeculationMode.ADAPTIVE, 4, MAX_ADAPTIVE_K, overlap=overlap)
+    return SpeculationPolicy(SpeculationMode.FIXED, k, max(k, MAX_ADAPTIVE_K), overlap=overlap)
+
+
+def all_methods(ks: tuple[int, ...]) -> list[Method]:
+    methods = [Method(BASELINE, "target only (HF)"), Method("specdec_k0", "specdec k=0", policy(0, False))]
+    for where, dist in (("inproc", False), ("dist", True)):
+        for mode, overlap in (("seq", False), ("overlap", True)):
+            family = f"{'in-process' if where == 'inproc' else 'distributed'}, {'overlap' if overlap else 'sequential'}"
+            fixed = (4,) if (where, mode) == ("inproc", "overlap") else ks
+            methods += [Method(f"{where}_{mode}_k{k}", family, policy(k, overlap), dist) for k in fixed]
+            methods.append(Method(f"{where}_{mode}_adaptive", family, policy(None, overlap), dist))
+    return methods
+
+
+def select(methods: list[Method], patterns: tuple[str, ...]) -> list[Method]:
+    """Methods whose name contains a pattern or matches it as a glob; the baseline always."""
+    def wanted(name: str) -> bool:
+        return not patterns or any(p in name or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+    return [m for m in methods if m.name == BASELINE or wanted(m.name)]
