@@ -1,3 +1,17 @@
+"""Shared fixtures: a Redis, the tiny model pair, TLS files, and the end-to-end clusters.
+
+The test command is the one CI runs (.ci/run): ``python3 -m pytest -q --durations=15``; each test
+has a ceiling (pytest-timeout, ``timeout`` in pyproject.toml). Nothing here asserts how fast
+something was: where a test needs something to have happened, it waits for exactly that (with a
+generous ceiling), and where timing would decide what the code does (which draft blocks are ready,
+which steps share a forward), the test pins it down (tests/cluster.py) or asserts only what the code
+decides. Speed is measured by benchmarks/, not asserted here.
+
+``SPECDEC_FULL_GRID=1`` runs the exhaustive sweeps (tests/grid.py): every prompt x seed x sampling
+configuration of tests/test_seed_exact.py rather than the default subset, which still covers every
+k, drafter, configuration, seed and path. It takes several times longer; benchmarks and release
+checks run it.
+"""
 from __future__ import annotations
 
 import uuid

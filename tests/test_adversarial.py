@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
+import threading
 
 import grpc
 import pytest
@@ -52,7 +52,7 @@ async def raw_call(channel: grpc.aio.Channel, method: str, streams_in: bool, str
     async def one():
         yield payload
 
-    call = call_(one() if streams_in else payload, timeout=REPLY_BOUND_S * 2)
+    call = call_(one() if streams_in else payload, timeout=REPLY_BOUND_S)
     if streams_out:
         async for _ in call:
             pass
@@ -63,12 +63,10 @@ async def raw_call(channel: grpc.aio.Channel, method: str, streams_in: bool, str
 @pytest.mark.parametrize("role, method, streams_in, streams_out", METHODS, ids=[m[1].rsplit(".", 1)[1] for m in METHODS])
 async def test_bytes_that_are_no_message_are_invalid_argument(cluster, role, method, streams_in, streams_out):
     async with channel_for(cluster, role) as channel:
-        started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await raw_call(channel, method, streams_in, streams_out, GARBAGE)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()  # before the call's deadline
     assert "not a valid protobuf message" in err.value.details()
-    assert time.monotonic() - started < REPLY_BOUND_S
     assert await wait_for_no_sessions(cluster) == (0, 0)
 
 
@@ -139,55 +137,65 @@ async def test_a_bug_in_a_handler_is_internal_with_a_request_id_in_the_log(clust
     assert logged and logged[0].exc_info is not None  # the traceback is in the log under that id
 
 
-async def test_a_huge_request_does_not_stall_another_stream_or_health(cluster):
-    """While one client streams, another sends prompts at the byte cap and an id list at its cap;
-    the stream's largest gap between chunks and a health check's latency stay small."""
-    cap = cluster.orchestrator.config.max_prompt_bytes
+async def test_a_huge_request_does_not_stall_another_stream_or_health(cluster, monkeypatch):
+    """A prompt at the byte cap and an id list at its cap are held inside their tokenizing (on
+    purpose, until the test lets go); meanwhile another client's stream runs from its first token to
+    its last and health checks answer. Had the tokenizing run on the event loop, nothing else could
+    run while it was held and the stream would never end. (How long such requests take is for the
+    benchmarks; this asserts only what runs where.)"""
+    orch = cluster.orchestrator
+    cap = orch.config.max_prompt_bytes
     huge_text = ("def f(x):\n    return x\n" * (cap // 24))[:cap]
-    huge_ids = pb.GenerateRequest(max_new_tokens=4, token_ids=pb.TokenIds(ids=[7] * cluster.orchestrator.config.max_prompt_token_ids))
+    huge_ids = pb.GenerateRequest(max_new_tokens=4, token_ids=pb.TokenIds(ids=[7] * orch.config.max_prompt_token_ids))
+    release = threading.Event()
+    held: list[str] = []
+    real = orch.tokenize
 
-    async def stream_gaps() -> float:
-        gaps, last = [], time.monotonic()
-        request = pb.GenerateRequest(text="def f():", max_new_tokens=120, drafter="ngram",
-                                     speculation=common_pb2.SpeculationPolicy(mode=common_pb2.SPECULATION_MODE_FIXED,
-                                                                              num_speculative_tokens=1))
-        async for _ in cluster.stub.GenerateStream(request, timeout=60):
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-        return max(gaps[1:])  # the first chunk waits for the prefill
+    def held_tokenize(request):
+        if len(request.prompt_text or "") >= cap // 2 or len(request.prompt_ids or ()) >= 1000:
+            held.append("text" if request.prompt_text else "ids")
+            assert release.wait(timeout=120), "never released"
+        return real(request)
+
+    monkeypatch.setattr(orch, "tokenize", held_tokenize)
 
     async def attack() -> list[grpc.StatusCode]:
-        codes = []
         async with cluster.client_channel() as channel:
             from specdec.v1 import generation_pb2_grpc
 
             stub = generation_pb2_grpc.GenerationStub(channel)
-            for request in (pb.GenerateRequest(text=huge_text, max_new_tokens=4), huge_ids) * 2:
-                try:
-                    await stub.Generate(request, timeout=60)
-                except grpc.aio.AioRpcError as err:
-                    codes.append(err.code())
-        return codes
 
-    async def health_latency() -> float:
-        worst = 0.0
+            async def send(request) -> grpc.StatusCode:
+                try:
+                    await stub.Generate(request, timeout=180)
+                    return grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as err:
+                    return err.code()
+
+            return list(await asyncio.gather(send(pb.GenerateRequest(text=huge_text, max_new_tokens=4)), send(huge_ids)))
+
+    attacking = asyncio.ensure_future(attack())
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 120
+        while len(held) < 2 and not attacking.done() and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        assert sorted(held) == ["ids", "text"], f"the huge requests did not reach their tokenizing: {held}"
+        request = pb.GenerateRequest(text="def f():", max_new_tokens=120, drafter="ngram",
+                                     speculation=common_pb2.SpeculationPolicy(mode=common_pb2.SPECULATION_MODE_FIXED,
+                                                                              num_speculative_tokens=1))
+        chunks = [c async for c in cluster.stub.GenerateStream(request, timeout=120)]
+        assert sum(len(c.token_ids) for c in chunks) == 120 and chunks[-1].finish_reason
         async with cluster.client_channel() as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            for _ in range(20):
-                started = time.monotonic()
-                await health.Check(health_pb2.HealthCheckRequest(service="specdec.v1.Generation"), timeout=5)
-                worst = max(worst, time.monotonic() - started)
-                await asyncio.sleep(0.05)
-        return worst
-
-    quiet_gap = await stream_gaps()
-    gap, codes, health = await asyncio.gather(stream_gaps(), attack(), health_latency())
-    print(f"largest gap between chunks: quiet {quiet_gap * 1e3:.1f} ms, beside huge requests {gap * 1e3:.1f} ms; "
-          f"slowest health check {health * 1e3:.1f} ms")
-    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 4  # over the context: refused, after tokenizing off the loop
-    assert gap < max(0.5, 5 * quiet_gap), f"largest gap {gap:.3f}s beside the huge requests (quiet: {quiet_gap:.3f}s)"
-    assert health < 0.5, f"a health check took {health:.3f}s"
+            for _ in range(5):
+                reply = await health.Check(health_pb2.HealthCheckRequest(service="specdec.v1.Generation"), timeout=60)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert not attacking.done() and len(held) == 2, "the huge requests were not held all along"
+    finally:
+        release.set()
+    codes = await attacking
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 2  # over the context: refused, after tokenizing off the loop
 
 
 async def test_refusals_beside_a_seeded_session_leave_its_output_unchanged(cluster):

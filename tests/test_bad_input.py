@@ -42,7 +42,10 @@ PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 VOCAB = 384  # tests/tiny_models.VOCAB; checked against the verifier in test_tiny_model_limits
 CONTEXT = 256  # tiny models' max_position_embeddings
 LIMIT = 256  # the cluster's max_new_tokens_limit (tests/cluster.py)
-REPLY_BOUND_S = 5.0  # a refusal comes back at once: no model work, no waiting on a worker
+# The deadline of every call here: a refusal must beat it with its own status (one that waited on a
+# worker's timeout would end DEADLINE_EXCEEDED instead). A ceiling for a loaded machine, not a
+# latency claim: how fast refusals come back is measured by benchmarks/fuzz_servicers.py.
+REPLY_BOUND_S = 30.0
 
 
 def req(*, text: str | None = "def f():", ids: list[int] | None = None, max_new: int = 4, fixed_k: int | None = 2,
@@ -102,13 +105,15 @@ BAD_REQUESTS: list[tuple[str, Callable[[], pb.GenerateRequest], str]] = [
 async def call(stub, method: str, request: pb.GenerateRequest) -> None:
     """Run a Generate or a whole GenerateStream; the error, if any, propagates."""
     if method == "Generate":
-        await stub.Generate(request, timeout=30)
+        await stub.Generate(request, timeout=REPLY_BOUND_S)
     else:
-        async for _ in stub.GenerateStream(request, timeout=30):
+        async for _ in stub.GenerateStream(request, timeout=REPLY_BOUND_S):
             pass
 
 
-async def wait_for_no_sessions(cluster, timeout_s: float = 5.0) -> tuple[int, int]:
+async def wait_for_no_sessions(cluster, timeout_s: float = 60.0) -> tuple[int, int]:
+    """Open sessions on (draft, target) worker, polled until none (or the ceiling): sessions are
+    freed as streams and loops wind down, just after the caller has seen the end."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while (active := await cluster.active_sessions()) != (0, 0) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
@@ -134,12 +139,10 @@ async def test_valid_baseline_request_succeeds(cluster):
 @pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
 @pytest.mark.parametrize("make, word", [pytest.param(m, w, id=i) for i, m, w in BAD_REQUESTS])
 async def test_bad_request_is_invalid_argument(cluster, method, make, word):
-    started = asyncio.get_running_loop().time()
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call(cluster.stub, method, make())
-    assert info.value.code() == INVALID, info.value.details()
+    assert info.value.code() == INVALID, info.value.details()  # (not DEADLINE_EXCEEDED: it beat the call's deadline)
     assert word in info.value.details(), info.value.details()
-    assert asyncio.get_running_loop().time() - started < REPLY_BOUND_S
     assert await cluster.active_sessions() == (0, 0), "a refused request opened a session on a worker"
 
 
@@ -202,19 +205,18 @@ def open_request(session_id: str | None = None, drafter: str = "ngram", prompt: 
 
 
 async def expect(code: grpc.StatusCode, word: str, coro) -> None:
-    started = asyncio.get_running_loop().time()
+    """``coro`` (a call with a deadline of REPLY_BOUND_S) fails with ``code``, its details naming ``word``."""
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await coro
     assert info.value.code() == code, f"{info.value.code()}: {info.value.details()}"
     assert word in info.value.details(), info.value.details()
-    assert asyncio.get_running_loop().time() - started < REPLY_BOUND_S
 
 
 async def drain(call) -> list:
     return [msg async for msg in call]
 
 
-async def sessions_drop_to_zero(status: Callable[[], WorkerInfo | Awaitable[WorkerInfo]], timeout_s: float = 5.0) -> int:
+async def sessions_drop_to_zero(status: Callable[[], WorkerInfo | Awaitable[WorkerInfo]], timeout_s: float = 60.0) -> int:
     """An engine's open sessions, polled until none (or the time is up): sessions are freed as
     streams and loops wind down, just after the caller has seen the end."""
     loop = asyncio.get_running_loop()

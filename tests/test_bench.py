@@ -157,7 +157,9 @@ def test_concurrency_levels_run_every_mode_and_batch_sessions(tiny_pair, tmp_pat
         assert report["results"][f"{n}/off"]["draft_tokens_per_step"] == 0.0
         assert 0.0 < report["results"][f"{n}/k1"]["draft_tokens_per_step"] <= 1.0
         assert 0.0 <= report["results"][f"{n}/k1"]["acceptance"] <= 1.0
-    assert report["results"]["3/off"]["mean_batch_sessions"] > 1.0  # three clients shared target forwards
+    # Three clients may share target forwards (how often is timing: the bench's to measure; that
+    # steps waiting together share one is tests/test_batching.py's).
+    assert 1.0 <= report["results"]["3/off"]["mean_batch_sessions"] <= 3.0
     assert "adaptive_vs_best" in report["summary"]["3"]
     assert (tmp_path / "load.png").stat().st_size > 0
 

@@ -34,7 +34,7 @@ def long_request(prompt: str = "def f():", drafter: str = "ngram", k: int = 2) -
     )
 
 
-async def eventually(probe, want, timeout_s: float = 5.0):
+async def eventually(probe, want, timeout_s: float = 60.0):
     """Poll ``await probe()`` until it equals ``want`` or the time is up; return the last value."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s

@@ -22,7 +22,20 @@ def specdec(*args: str, timeout: float = 120, env=None) -> subprocess.CompletedP
     return subprocess.run([sys.executable, "-m", "specdec", *args], capture_output=True, text=True, timeout=timeout, env=env or ENV)
 
 
-def test_generate_json_in_one_process(tiny_pair):
+def in_process(*args: str, capsys) -> tuple[int, str, str]:
+    """``specdec ARGS`` through the same entry point in this process (no interpreter to start): (exit code, stdout, stderr)."""
+    from specdec import cli
+
+    capsys.readouterr()
+    try:
+        code = cli.main(list(args))
+    except SystemExit as exc:  # argparse's refusals
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_in_one_process(tiny_pair, capsys):
     target, draft = tiny_pair
     out = specdec("generate", "def add(a, b):", "--target", target, "--draft", draft, "--max-new-tokens", "12", "-k", "3", "--json")
     assert out.returncode == 0, out.stderr
@@ -30,45 +43,45 @@ def test_generate_json_in_one_process(tiny_pair):
     assert result["usage"]["completion_tokens"] == len(result["token_ids"]) == 12
     assert result["finish_reason"] == "length"
     assert result["stats"]["draft_tokens"] > 0 and result["stats"]["verify_steps"] >= 1
-    # The reference HF forward gives the same greedy tokens as the default lean forward.
-    ref = specdec("generate", "def add(a, b):", "--target", target, "--draft", draft, "--max-new-tokens", "12", "-k", "3",
-                  "--json", "--reference-forward")
-    assert ref.returncode == 0, ref.stderr
-    assert json.loads(ref.stdout)["token_ids"] == result["token_ids"]
+    # The reference HF forward gives the same greedy tokens as the default lean forward (the same
+    # command, run in this process: one real process above is enough to show the command works).
+    common = ("generate", "def add(a, b):", "--target", target, "--draft", draft, "--max-new-tokens", "12", "-k", "3", "--json")
+    code, stdout, stderr = in_process(*common, "--reference-forward", capsys=capsys)
+    assert code == 0, stderr
+    assert json.loads(stdout)["token_ids"] == result["token_ids"]
     # So does a bf16 draft, where the CPU has native bf16: the draft's precision changes how much is
     # accepted, never what.
     if native_bf16():
-        alt = specdec("generate", "def add(a, b):", "--target", target, "--draft", draft, "--max-new-tokens", "12", "-k", "3",
-                      "--json", "--draft-dtype", "bfloat16")
-        assert alt.returncode == 0, alt.stderr
-        assert json.loads(alt.stdout)["token_ids"] == result["token_ids"]
+        code, stdout, stderr = in_process(*common, "--draft-dtype", "bfloat16", capsys=capsys)
+        assert code == 0, stderr
+        assert json.loads(stdout)["token_ids"] == result["token_ids"]
 
 
-def test_an_unknown_draft_dtype_is_refused_by_name():
+def test_an_unknown_draft_dtype_is_refused_by_name(capsys):
     from specdec.draft.model_drafter import resolve_draft_dtype
 
     with pytest.raises(ValueError, match="float32, bfloat16"):
         resolve_draft_dtype("fp8")
-    out = specdec("generate", "x", "--draft-dtype", "fp8")
-    assert out.returncode == 2 and "--draft-dtype" in out.stderr
+    code, _, err = in_process("generate", "x", "--draft-dtype", "fp8", capsys=capsys)
+    assert code == 2 and "--draft-dtype" in err
 
 
 def test_generate_without_models_says_how_to_pass_one(tmp_path, monkeypatch):
-    import specdec.cli as cli
+    from specdec import cli_common
 
-    monkeypatch.setattr(cli, "DEMO_DIR", tmp_path)  # as on an install without the demo pair
-    with pytest.raises(cli.UsageError, match="--target PATH"):
-        cli.model_path(None, cli.ENV_TARGET, "target")
+    monkeypatch.setattr(cli_common, "DEMO_DIR", tmp_path)  # as on an install without the demo pair
+    with pytest.raises(cli_common.UsageError, match="--target PATH"):
+        cli_common.model_path(None, cli_common.ENV_TARGET, "target")
 
 
-def test_draft_with_another_tokenizer_is_refused(tiny_pair, tmp_path):
+def test_draft_with_another_tokenizer_is_refused(tiny_pair, tmp_path, capsys):
     from tiny_models import build_model, build_tokenizer
 
     target, _ = tiny_pair
     other = build_model(tmp_path / "other", build_tokenizer(tmp_path, vocab_size=300), hidden=32, layers=1, seed=3)
-    out = specdec("generate", "x = 1", "--target", target, "--draft", str(other), "--max-new-tokens", "2")
-    assert out.returncode == 2
-    assert "different tokenizer" in out.stderr and "Traceback" not in out.stderr
+    code, _, err = in_process("generate", "x = 1", "--target", target, "--draft", str(other), "--max-new-tokens", "2", capsys=capsys)
+    assert code == 2
+    assert "different tokenizer" in err and "Traceback" not in err
 
 
 def free_port_block(n: int = 3) -> int:
@@ -91,7 +104,7 @@ def _free(port: int) -> bool:
             return False
 
 
-def wait_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 90) -> None:
+def wait_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
     with grpc.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         deadline = time.time() + timeout_s
@@ -105,45 +118,26 @@ def wait_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 90) ->
             time.sleep(0.3)
 
 
-def test_up_runs_three_processes_against_redis(tiny_pair, redis_url):
-    target, draft = tiny_pair
-    base = free_port_block()
-    proc = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--target", target, "--draft", draft,
-                             "--base-port", str(base), "--redis-url", redis_url], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        address = f"127.0.0.1:{base}"
-        wait_healthy(address, proc)
-        channel = grpc.insecure_channel(address)
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        reply = stub.Generate(pb.GenerateRequest(text="import os\n", max_new_tokens=10,
-                                                 sampling=common_pb2.SamplingParams(temperature=0)), timeout=60)
-        assert len(reply.token_ids) == 10
-        info = stub.GetSession(pb.GetSessionRequest(session_id=reply.session_id), timeout=10)
-        assert list(info.output_token_ids) == list(reply.token_ids)
-        # Seed-exact: the same seed gives the same text through `specdec up` (adaptive k, model
-        # drafter) as in one process without speculation, and with another drafter and k.
-        seeded = ("--seed", "5", "--temperature", "0.8", "--top-p", "0.95", "--max-new-tokens", "12", "--json")
-        remote = specdec("generate", "def add(a, b):", "--server", address, *seeded)
-        assert remote.returncode == 0, remote.stderr
-        remote_ids = [int(t) for t in json.loads(remote.stdout)["token_ids"]]
-        for extra in (("-k", "0"), ("--drafter", "ngram", "-k", "3")):
-            local = specdec("generate", "def add(a, b):", "--target", target, "--draft", draft, *seeded, *extra)
-            assert local.returncode == 0, local.stderr
-            assert json.loads(local.stdout)["token_ids"] == remote_ids, f"seeded output changed with {extra}"
-        # Three processes: the orchestrator and both workers are separate children of `up`.
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        assert len(children) == 3
-        channel.close()
-    finally:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out
+def test_up_starts_one_process_per_role_each_over_every_worker():
+    """What `specdec up` runs (the processes themselves: the test below)."""
+    from specdec.cli import up_commands, up_ports
+
+    common = ["python", "-m", "specdec", "serve"]
+    one = up_commands(common, "127.0.0.1", up_ports(9000, 1), "redis://r")
+    assert sorted(one) == ["draft", "orchestrator", "target"]
+    assert one["orchestrator"][len(common):] == ["orchestrator", "--port", "9000", "--drafter-address", "127.0.0.1:9001",
+                                                 "--verifier-address", "127.0.0.1:9002", "--redis-url", "redis://r"]
+    two = up_commands(common, "127.0.0.1", up_ports(9000, 2), "redis://r")
+    assert sorted(two) == ["draft-0", "draft-1", "orchestrator-0", "orchestrator-1", "target-0", "target-1"]
+    assert all("127.0.0.1:9001,127.0.0.1:9004" in argv for argv in two.values())  # every one over both drafters
 
 
-def test_up_with_replicas_restarts_a_process_that_dies_and_serves_meanwhile(tiny_pair, redis_url):
-    """`specdec up --replicas 2`: six processes; kill -9 one verifier and one orchestrator, and a
-    client given both orchestrators still gets the whole greedy completion; `up` restarts the two."""
+@pytest.mark.timeout(900)  # six processes that each load both models, twice two of them
+def test_up_serves_against_redis_and_restarts_a_process_that_dies(tiny_pair, redis_url, capsys):
+    """`specdec up --replicas 2`: six processes against Redis. Greedy and seeded requests through it
+    give what one process gives; kill -9 one verifier and one orchestrator, and a client given both
+    orchestrators still gets the whole greedy completion; `up` restarts the two. (One `up` for all of
+    it: each start costs seconds of model loading per process.)"""
     import signal
 
     from specdec.cli import up_ports
@@ -157,9 +151,31 @@ def test_up_with_replicas_restarts_a_process_that_dies_and_serves_meanwhile(tiny
     try:
         for port in ports["orchestrator"]:
             wait_healthy(f"127.0.0.1:{port}", proc)
+        address = f"127.0.0.1:{ports['orchestrator'][0]}"
+        with grpc.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            reply = stub.Generate(pb.GenerateRequest(text="import os\n", max_new_tokens=10,
+                                                     sampling=common_pb2.SamplingParams(temperature=0)), timeout=60)
+            assert len(reply.token_ids) == 10
+            info = stub.GetSession(pb.GetSessionRequest(session_id=reply.session_id), timeout=10)
+            assert list(info.output_token_ids) == list(reply.token_ids)
+        # Seed-exact: the same seed gives the same text through `specdec up` (adaptive k, model
+        # drafter) as in one process without speculation, and with another drafter and k.
+        seeded = ("--seed", "5", "--temperature", "0.8", "--top-p", "0.95", "--max-new-tokens", "12", "--json")
+        remote = specdec("generate", "def add(a, b):", "--server", address, *seeded)
+        assert remote.returncode == 0, remote.stderr
+        remote_ids = [int(t) for t in json.loads(remote.stdout)["token_ids"]]
+        for extra in (("-k", "0"), ("--drafter", "ngram", "-k", "3")):
+            code, stdout, stderr = in_process("generate", "def add(a, b):", "--target", target, "--draft", draft, *seeded, *extra,
+                                              capsys=capsys)
+            assert code == 0, stderr
+            assert json.loads(stdout)["token_ids"] == remote_ids, f"seeded output changed with {extra}"
+
         servers = ",".join(f"127.0.0.1:{p}" for p in ports["orchestrator"])
-        before = specdec("generate", "def f():", "--server", servers, "--max-new-tokens", "40", "--json")
-        assert before.returncode == 0, before.stderr
+        code, stdout, stderr = in_process("generate", "def f():", "--server", servers, "--max-new-tokens", "40", "--json", capsys=capsys)
+        assert code == 0, stderr
+        before = json.loads(stdout)["token_ids"]
+        # Six processes: every orchestrator and worker is a separate child of `up`.
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert len(children) == 6
 
@@ -172,15 +188,15 @@ def test_up_with_replicas_restarts_a_process_that_dies_and_serves_meanwhile(tiny
 
         for port in (ports["target"][0], ports["orchestrator"][0]):
             os.kill(child_on(port), signal.SIGKILL)
-        after = specdec("generate", "def f():", "--server", servers, "--max-new-tokens", "40", "--json")
-        assert after.returncode == 0, after.stderr
-        assert json.loads(after.stdout)["token_ids"] == json.loads(before.stdout)["token_ids"]
+        code, stdout, stderr = in_process("generate", "def f():", "--server", servers, "--max-new-tokens", "40", "--json", capsys=capsys)
+        assert code == 0, stderr
+        assert json.loads(stdout)["token_ids"] == before
         wait_healthy(f"127.0.0.1:{ports['orchestrator'][0]}", proc)  # restarted
         restarted = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert len(restarted) == 6 and len(set(restarted) - set(children)) == 2
     finally:
         proc.terminate()
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert out.count("restarting it") == 2, out
 

@@ -36,18 +36,33 @@ async def test_a_stream_goes_on_when_its_orchestrator_dies(replicas, sampling): 
     assert last.finish_reason == whole.finish_reason and last.usage.completion_tokens == 120
     assert len(report.failovers) == 1 and report.address == servers[1].address
     failover = report.failovers[0]
-    assert failover.code == "UNAVAILABLE" and 0 < failover.received < 120 and failover.pause_s < 10
+    # (How long the pause was is the benchmark's to measure: benchmarks/fault_inject.py.)
+    assert failover.code == "UNAVAILABLE" and 0 < failover.received < 120
+
+
+def counting_attempts(client: ResumingClient) -> list[str]:
+    """The orchestrator address of every call the client makes (each attempt picks a stub)."""
+    addresses: list[str] = []
+    real = client._stub
+
+    def stub(report):
+        chosen = real(report)
+        addresses.append(report.address)
+        return chosen
+
+    client._stub = stub
+    return addresses
 
 
 async def test_a_wrong_request_fails_at_once_without_retries(replicas):  # noqa: F811
     _, servers, _ = replicas
     report = StreamReport()
     async with ResumingClient([s.address for s in servers]) as client:
-        started = time.monotonic()
+        attempts = counting_attempts(client)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(client, pb.GenerateRequest(text="", max_new_tokens=4), report)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and time.monotonic() - started < 5
-    assert not report.failovers
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(attempts) == 1 and not report.failovers  # one call: a wrong request is never retried
 
 
 async def test_nothing_reachable_fails_after_the_retry_budget():
@@ -55,7 +70,10 @@ async def test_nothing_reachable_fails_after_the_retry_budget():
 
     report = StreamReport()
     async with ResumingClient([f"127.0.0.1:{free_port()}"], retry_for_s=0.5) as client:
+        attempts = counting_attempts(client)
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await collect(client, pb.GenerateRequest(text="x", max_new_tokens=4), report)
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and 0.5 <= time.monotonic() - started < 10
+            await collect(client, pb.GenerateRequest(text="x", max_new_tokens=4), report)  # (a 60 s deadline: no hang)
+    # It kept trying for the whole budget (a lower bound the clock guarantees), then gave up with
+    # the last error, not with its own deadline.
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started >= 0.5 and len(attempts) > 1

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specdec.core.sessions import unpack_ids
 from specdec.v1 import common_pb2, generation_pb2 as pb
 
+from cluster import drafts_settle_before_each_verify
 from tiny_models import corpus_texts
 
 MAX_NEW = 24
@@ -48,19 +49,25 @@ def request(prompt: str, k: int | None, drafter: str, max_new: int = MAX_NEW, ov
 @pytest.mark.parametrize("k, overlap", [(1, True), (3, True), (5, True), (None, True), (3, False)],
                          ids=["k1", "k3", "k5", "adaptive", "k3-no-overlap"])
 async def test_greedy_equals_target_only_greedy(cluster, tiny_pair, drafter, k, overlap):
-    """Over the streaming path (Speculate between drafter and verifier, Generate to the orchestrator)."""
+    """Over the streaming path (Speculate between drafter and verifier, Generate to the orchestrator).
+
+    The drafter settles before each verification (tests/cluster.py): every block it planned to draft
+    ahead is drafted, so which steps verify a pre-drafted block follows from the tokens, not from
+    thread timing, and the count below is the same on an idle machine and a loaded one."""
     target_path, _ = tiny_pair
     drafted = predrafted = 0
-    for prompt in prompts(20):
-        reply = await cluster.stub.Generate(request(prompt, k, drafter, overlap=overlap))
-        expected = reference_greedy(target_path, prompt, MAX_NEW)
-        assert tuple(reply.token_ids) == expected, f"prompt {prompt!r}, drafter {drafter}, k={k}"
-        assert reply.usage.completion_tokens == len(expected)
-        drafted += reply.stats.draft_tokens
-        predrafted += reply.stats.predrafted_steps
-        # The session record keeps every step's speculation length, for an exact replay.
-        record = await cluster.store.get(reply.session_id)
-        assert len(record.step_ks) == reply.stats.verify_steps and sum(record.step_ks) == reply.stats.draft_tokens
+    async with drafts_settle_before_each_verify(cluster) as late:
+        for prompt in prompts(20):
+            reply = await cluster.stub.Generate(request(prompt, k, drafter, overlap=overlap))
+            expected = reference_greedy(target_path, prompt, MAX_NEW)
+            assert tuple(reply.token_ids) == expected, f"prompt {prompt!r}, drafter {drafter}, k={k}"
+            assert reply.usage.completion_tokens == len(expected)
+            drafted += reply.stats.draft_tokens
+            predrafted += reply.stats.predrafted_steps
+            # The session record keeps every step's speculation length, for an exact replay.
+            record = await cluster.store.get(reply.session_id)
+            assert len(record.step_ks) == reply.stats.verify_steps and sum(record.step_ks) == reply.stats.draft_tokens
+    assert not late, "the drafter never settled before a verification"
     assert drafted > 0, "the drafter never proposed anything: this test would not test speculation"
     if not overlap:
         assert predrafted == 0, "overlap off, yet blocks were drafted ahead"
@@ -117,8 +124,10 @@ async def test_same_seed_same_sampled_output(cluster, drafter):
 
 async def test_stream_matches_unary_and_ends_with_stats(cluster):
     prompt = prompts(4)[3]
-    unary = await cluster.stub.Generate(request(prompt, 3, "model"))
-    chunks = [m async for m in cluster.stub.GenerateStream(request(prompt, 3, "model"))]
+    async with drafts_settle_before_each_verify(cluster) as late:  # the same blocks both times: the same steps
+        unary = await cluster.stub.Generate(request(prompt, 3, "model"))
+        chunks = [m async for m in cluster.stub.GenerateStream(request(prompt, 3, "model"))]
+    assert not late
     assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
     assert "".join(c.text for c in chunks) == unary.text
     assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])

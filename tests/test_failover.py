@@ -40,7 +40,8 @@ async def two_verifiers(cluster, tiny_pair):
 
 
 def replica_maker(cluster):
-    return lambda address, server_name: RemoteVerifyWorker(address, timeout_s=30, tls=cluster.tls, step_timeout_s=5,
+    # Generous: a stopped verifier ends its streams at once; these only bound a step on a busy machine.
+    return lambda address, server_name: RemoteVerifyWorker(address, timeout_s=120, tls=cluster.tls, step_timeout_s=120,
                                                            server_name=server_name)
 
 
@@ -144,7 +145,20 @@ async def test_the_replica_that_takes_over_reads_the_kv_prefix_from_redis(cluste
     target_path, _ = tiny_pair
     config = TargetConfig(target_path, kv_redis_url=redis_url, kv_prefix=redis_prefix, kv_block_tokens=16)
     started = [await roles.start_target(config, cluster.worker_server()) for _ in range(2)]
-    pool = VerifierPool([server.address for server, _ in started], replica_maker(cluster), status_ttl_s=0.0)
+    # KV blocks are written by a task of their own, a moment after the step that filled them; the
+    # session's new verifier starts only once every block offered so far is written, so what it
+    # finds in Redis follows from the tokens, not from how far that task had got when the first died.
+    unwritten = [written_when_asked(verifier.engine.kv_store) for _, verifier in started]
+
+    async def blocks_written() -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while any(left() for left in unwritten) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+
+    maker = replica_maker(cluster)
+    pool = VerifierPool([server.address for server, _ in started],
+                        lambda address, server_name: AfterBlocksWritten(maker(address, server_name), blocks_written), status_ttl_s=0.0)
     live = cluster.orchestrator
     orch = Orchestrator(live.target, pool, cluster.store, live.config, live.drafter_address)
     try:
@@ -163,6 +177,34 @@ async def test_the_replica_that_takes_over_reads_the_kv_prefix_from_redis(cluste
             if verifier.engine.kv_store is not None:
                 await verifier.engine.kv_store.aclose()
         await pool.aclose()
+
+
+def written_when_asked(store):
+    """Count the KV blocks ``store`` is offered; the returned callable gives how many are not written (or dropped) yet."""
+    offered = [0]
+    real = store.offer
+
+    def offer(session_id, blocks):
+        offered[0] += sum(index < store._max_blocks for index, _ in blocks)  # (past the cap: never queued)
+        real(session_id, blocks)
+
+    store.offer = offer
+    return lambda: offered[0] - store.written - store.dropped
+
+
+class AfterBlocksWritten:
+    """A pool's replica whose sessions start only once ``before()`` returns."""
+
+    def __init__(self, replica, before) -> None:
+        self._replica, self._before = replica, before
+
+    def __getattr__(self, name):
+        return getattr(self._replica, name)
+
+    async def run(self, run):
+        await self._before()
+        async for step in self._replica.run(run):
+            yield step
 
 
 async def test_a_draining_verifier_hands_its_session_over_without_loss(two_verifiers, tiny_pair):

@@ -131,5 +131,5 @@ def test_a_slot_freed_by_a_garbage_collection_inside_acquire_does_not_deadlock(d
     pool._add_slab = lambda: (gc.collect(), grow())  # the collection happens inside acquire()
     done = threading.Event()
     threading.Thread(target=lambda: (decoder.new_cache(), done.set()), daemon=True).start()
-    assert done.wait(10), "acquire() deadlocked on its own lock"
+    assert done.wait(60), "acquire() deadlocked on its own lock"
     del caches

@@ -97,7 +97,7 @@ async def test_the_autoscaler_reads_real_running_roles_and_decides(measured):
                                      speculation=common_pb2.SpeculationPolicy(mode=common_pb2.SPECULATION_MODE_FIXED,
                                                                               num_speculative_tokens=3))
         reply = await measured.stub.Generate(request, timeout=60)
-        await asyncio.sleep(0.2)
+        await measured_sessions_closed(measured)  # both workers are done with it: all it counted is counted
         seen = await asyncio.to_thread(observer.observe)
     finally:
         observer.close()

@@ -73,7 +73,7 @@ class Blocks:
     def emit(self, b: DraftBlock) -> None:
         self.q.put(b)
 
-    def until(self, predicate, timeout_s: float = 10.0) -> DraftBlock:
+    def until(self, predicate, timeout_s: float = 60.0) -> DraftBlock:
         for b in self.backlog:
             if predicate(b):
                 self.backlog.remove(b)

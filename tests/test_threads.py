@@ -104,14 +104,14 @@ def engine():
 
 
 def test_submitted_calls_run_on_the_draft_thread_and_return_or_raise(engine):
-    assert engine.submit(lambda a, b: (threading.current_thread().name, a + b), 2, 3).result(5) == ("draft", 5)
+    assert engine.submit(lambda a, b: (threading.current_thread().name, a + b), 2, 3).result(30) == ("draft", 5)
 
     def fails():
         raise KeyError("boom")
 
     with pytest.raises(KeyError):
-        engine.submit(fails).result(5)
-    assert engine.submit(lambda: "still serving").result(5) == "still serving"  # one failure stops nothing
+        engine.submit(fails).result(30)
+    assert engine.submit(lambda: "still serving").result(30) == "still serving"  # one failure stops nothing
 
 
 def test_queued_session_opens_go_ahead_of_submitted_calls(engine):
@@ -121,13 +121,13 @@ def test_queued_session_opens_go_ahead_of_submitted_calls(engine):
 
     order = []
     gate = threading.Event()
-    engine.submit(gate.wait, 5)  # hold the thread so the next two queue up
+    engine.submit(gate.wait, 30)  # hold the thread so the next two queue up
     opened = engine.open(SessionSpec("a" * 32, (1, 2, 3), SamplingParams(), "ngram"), lambda block: None)
     opened.add_done_callback(lambda _: order.append("open"))
     call = engine.submit(lambda: order.append("call"))
     gate.set()
-    call.result(5)
-    opened.result(5)
+    call.result(30)
+    opened.result(30)
     assert order == ["open", "call"]
 
 

@@ -3,9 +3,7 @@ deployment's CA (mutual TLS), ``specdec certs`` for a development CA. The sessio
 fixture runs with TLS on, so every end-to-end test goes through it too."""
 from __future__ import annotations
 
-import asyncio
 import stat
-import time
 from pathlib import Path
 
 import grpc
@@ -15,6 +13,8 @@ from specdec import cli
 from specdec.rpc.certs import make_dev_certs
 from specdec.rpc.tls import TlsFiles, client_tls, open_channel
 from specdec.v1 import common_pb2, drafter_pb2_grpc, generation_pb2 as pb, verifier_pb2_grpc
+
+from cluster import held_at_drain
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +41,14 @@ def test_certs_command_writes_a_ca_and_a_certificate_with_private_keys(tmp_path,
     (["--tls-cert", "x.crt"], "both --tls-cert and --tls-key"),
     (["--tls-cert", "/nonexistent.crt", "--tls-key", "/nonexistent.key"], "--tls-cert /nonexistent.crt"),
 ])
-def test_serve_refuses_incomplete_or_missing_tls_files_before_loading_anything(flags, message, capsys):
-    started = time.monotonic()
+def test_serve_refuses_incomplete_or_missing_tls_files_before_loading_anything(flags, message, capsys, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the TLS flags were checked")
+
+    for module in ("specdec.core.models", "specdec.target.engine", "specdec.draft.model_drafter"):
+        monkeypatch.setattr(f"{module}.load_causal_lm", no_loading)
     assert cli.main(["serve", "target", *flags]) == 2
-    assert message in capsys.readouterr().err and time.monotonic() - started < 5
+    assert message in capsys.readouterr().err
 
 
 def test_a_file_that_is_not_pem_is_named(tmp_path):
@@ -59,14 +63,14 @@ async def test_client_api_serves_tls_and_refuses_plaintext(cluster):
     assert reply.usage.completion_tokens == 3  # a client with only the CA (no certificate of its own) is served
     async with grpc.aio.insecure_channel(cluster.address) as plain:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await pb_stub(plain).Generate(pb.GenerateRequest(text="def f():", max_new_tokens=3), timeout=5)
+            await pb_stub(plain).Generate(pb.GenerateRequest(text="def f():", max_new_tokens=3), timeout=30)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 async def test_client_that_does_not_trust_the_ca_is_refused(cluster, foreign_ca):
     async with open_channel(cluster.address, client_tls(foreign_ca.ca_file)) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await pb_stub(channel).Generate(pb.GenerateRequest(text="def f():", max_new_tokens=3), timeout=5)
+            await pb_stub(channel).Generate(pb.GenerateRequest(text="def f():", max_new_tokens=3), timeout=30)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -93,12 +97,11 @@ async def test_workers_admit_only_certificates_of_the_deployment_ca(cluster, for
                                                  Path(foreign_ca.cert_file).read_bytes())
             channel = open_channel(address, creds)
         async with channel:
-            started = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await _worker_calls(channel)[index](common_pb2.WorkerStatusRequest(), timeout=5)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 5
+                await _worker_calls(channel)[index](common_pb2.WorkerStatusRequest(), timeout=30)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # refused, not left to its deadline
     async with cluster.worker_channel(cluster.servers[1].address) as channel:  # the deployment's own certificate is admitted
-        assert (await _worker_calls(channel)[1](common_pb2.WorkerStatusRequest(), timeout=5)).vocab_size > 0
+        assert (await _worker_calls(channel)[1](common_pb2.WorkerStatusRequest(), timeout=30)).vocab_size > 0
 
 
 async def test_health_port_answers_probes_in_plaintext_and_serves_nothing_else(cluster, dev_tls):
@@ -113,17 +116,12 @@ async def test_health_port_answers_probes_in_plaintext_and_serves_nothing_else(c
     try:
         async with grpc.aio.insecure_channel(server.health_address) as channel:
             check = health_pb2.HealthCheckRequest(service="specdec.v1.Verifier")
-            assert (await health_pb2_grpc.HealthStub(channel).Check(check, timeout=5)).status == health_pb2.HealthCheckResponse.SERVING
+            assert (await health_pb2_grpc.HealthStub(channel).Check(check, timeout=30)).status == health_pb2.HealthCheckResponse.SERVING
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await verifier_pb2_grpc.VerifierStub(channel).GetWorkerStatus(common_pb2.WorkerStatusRequest(), timeout=5)
+                await verifier_pb2_grpc.VerifierStub(channel).GetWorkerStatus(common_pb2.WorkerStatusRequest(), timeout=30)
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-            stopping = asyncio.ensure_future(server.stop(grace_s=0.5))
-            await asyncio.sleep(0.05)
-            try:  # draining: the probe port says so before it goes away
-                status = (await health_pb2_grpc.HealthStub(channel).Check(check, timeout=1)).status
+            async with held_at_drain(server, grace_s=0.5):  # draining: the probe port says so before it goes away
+                status = (await health_pb2_grpc.HealthStub(channel).Check(check, timeout=30)).status
                 assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-            except grpc.aio.AioRpcError as exc:
-                assert exc.code() == grpc.StatusCode.UNAVAILABLE
-            await stopping
     finally:
         await server.stop(0)

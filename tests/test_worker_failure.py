@@ -41,7 +41,7 @@ def greedy(max_new: int, k: int = 3, drafter: str = "model") -> GenerationReques
                              policy=SpeculationPolicy(SpeculationMode.FIXED, k))
 
 
-async def eventually(probe, want, timeout_s: float = 5.0):
+async def eventually(probe, want, timeout_s: float = 60.0):
     """Poll ``probe()`` (awaited if it returns an awaitable) until it equals ``want`` or the time is up."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
