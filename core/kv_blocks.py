@@ -53,11 +53,14 @@ class BlockLayout:
         return self.layers * 2 * self.kv_heads * self.block_tokens * self.head_dim * torch.finfo(self.dtype).bits // 8
 
 
-def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype) -> bytes:
-    """Names a model's weights and numerics: its config, the precision the cache is kept in, and
-    a sample of its first weights (two checkpoints of one architecture differ there)."""
+def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype, numerics: str = "fast") -> bytes:
+    """Names a model's weights and numerics: its config, the precision the cache is kept in, the
+    forward's numerics mode (exact keys and values differ from fast ones in the last bits), and a
+    sample of its first weights (two checkpoints of one architecture differ there)."""
     h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
     h.update(str(dtype).encode())
+    if numerics != "fast":  # fast mode's fingerprint stays what blocks already stored carry
+        h.update(numerics.encode())
     first = next(model.parameters()).detach().flatten()[:4096].float().contiguous()
     h.update(first.numpy().tobytes())
     return h.digest()[:16]

@@ -16,6 +16,10 @@ forward instead:
   slab, and logits only for the rows asked for
   (a prefill needs one row, not 500).
 
+- ``numerics="exact"`` (core/exact_ops.py) trades the timed kernels and SDPA for fixed-shape ones, so
+  a row's logits are bitwise the same whatever else shares its forward (its block, other sessions,
+  thread count): speculation then cannot change greedy output, not even in bf16.
+
 Logits match the HF forward to ~1e-5 (summation order differs); the tests hold it to that. Both the
 drafter and the verifier use it; the verifier's output distribution is by definition the one this
 forward computes, and ``TargetConfig.fast_forward=False`` falls back to the HF forward.
@@ -24,6 +28,7 @@ Supported: ``LlamaForCausalLM`` with default RoPE, no attention/MLP bias, SiLU.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -31,10 +36,19 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from specdec.core import exact_ops
+from specdec.core.cpu_features import describe_cpu, native_bf16
 from specdec.core.kv_slots import DecodeCache, SlotPool
 
 INITIAL_CAPACITY = 64  # positions; a private cache (not a pool slot) doubles from here up to the model's context length
 PACK_ROWS = 8  # a verification feeds 1 + k rows; oneDNN packs each weight for about this many
+
+
+def _available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -52,16 +66,16 @@ def supports(model: torch.nn.Module) -> bool:
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _plain_linear(weight: torch.Tensor) -> Linear:
-    return lambda x: F.linear(x, weight)
+class _PlainLinear:
+    """``F.linear`` on the [out, in] weight, where no packed kernel exists."""
 
+    __slots__ = ("weight", "shape")
 
-def native_bf16() -> bool:
-    """True where oneDNN runs bf16 in hardware (AVX512_BF16 / AMX); elsewhere bf16 is emulated and slow."""
-    try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight, self.shape = weight, tuple(weight.shape)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 def _onednn_linear(weight: torch.Tensor, rows_hint: int) -> Linear | None:
@@ -84,6 +98,7 @@ def _onednn_linear(weight: torch.Tensor, rows_hint: int) -> Linear | None:
         return None
 
 
+NUMERICS = ("fast", "exact")
 KERNELS = ("packed", "plain", "transposed")
 MULTI_ROW_KERNELS = ("packed", "transposed")  # F.linear loses to both from a few rows up
 MEASURE_ROWS = 4  # the rows of a k = 3 verification: what "more rows" is timed at
@@ -97,10 +112,11 @@ class _Layouts:
     4.3 ms against 6.1 plain and 7.4 packed on one thread, and 2.0 against 3.5 and 4.6 on two).
     Layouts no chosen kernel uses are dropped, so at most two copies of the weight stay."""
 
-    __slots__ = ("packed", "weight", "transposed", "one", "many")
+    __slots__ = ("packed", "weight", "transposed", "one", "many", "shape")
 
     def __init__(self, packed: Linear, weight: torch.Tensor) -> None:
         self.packed, self.weight, self.transposed = packed, weight, None  # the copy only once a kernel needs it
+        self.shape = tuple(weight.shape)  # [out, in], kept when the plain layout is dropped
         self.one = self.many = packed
 
     def kernel(self, name: str) -> Linear:
@@ -150,20 +166,34 @@ class LlamaDecoder:
     step reads, which bounds a step once a model is past a few million parameters; it is only offered
     where the CPU runs bf16 natively, and it changes the numbers, so it suits the drafter (proposals never change what
     the verifier accepts) and a target only when that target is then always run in bf16.
+
+    ``numerics``: "fast" (kernels timed at load, SDPA: a row's logits move in the last bits with the
+    rows beside it) or "exact" (core/exact_ops.py: a row's logits are bitwise the same alone, as row j
+    of a k+1 block, or beside any other sessions, at any thread count; nothing is timed, and the load
+    checks on this CPU that its kernels keep that, raising ExactNumericsUnavailable where not).
     """
 
     def __init__(self, model: torch.nn.Module, pack_rows: int | None = PACK_ROWS, dtype: torch.dtype = torch.float32,
-                 single_row: str = "measure", multi_row: str = "measure") -> None:
+                 single_row: str = "measure", multi_row: str = "measure", numerics: str = "fast",
+                 probe_threads: tuple[int, ...] | None = None) -> None:
         """``single_row``: the kernel for one-row calls of packed weights, one of `KERNELS` or
         "measure" (time them all at load, keep the fastest); ``multi_row``: the same for calls of
-        more rows ("packed", "transposed" or "measure")."""
+        more rows ("packed", "transposed" or "measure"). Exact numerics ignore both: every call goes
+        to one kernel. ``probe_threads``: the torch thread counts exact mode is checked at (default
+        1, 2, the current count and this process's cores): a thread chooser's counts belong here."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama; use the HF forward")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {numerics!r}")
         if dtype == torch.bfloat16 and not native_bf16():
-            raise ValueError("bfloat16 decoding needs a CPU with native bf16 (AVX512_BF16 or AMX)")
+            raise ValueError("bfloat16 decoding needs a CPU with native bf16 (cpuinfo flag avx512_bf16 or amx_bf16); "
+                             f"this one has neither ({describe_cpu()})")
         self.dtype = dtype
+        self.pack_rows = pack_rows
+        self.numerics = numerics
+        self.exact = numerics == "exact"
         cfg = model.config
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
@@ -171,6 +201,9 @@ class LlamaDecoder:
         self.hidden = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
         self.context_length = cfg.max_position_embeddings
+        self.intermediate = cfg.intermediate_size
+        # Exact mode pads keys to whole blocks: caches hold the context rounded up to one.
+        self.capacity_limit = exact_ops.round_up(self.context_length, exact_ops.KEY_BLOCK) if self.exact else self.context_length
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
         base = model.model
         with torch.no_grad():
@@ -180,7 +213,7 @@ class LlamaDecoder:
             def linear(w: torch.Tensor) -> Linear:
                 w = cast(w)
                 packed = _onednn_linear(w, pack_rows) if pack_rows else None
-                return _Layouts(packed, w) if packed is not None else _plain_linear(w)
+                return _Layouts(packed, w) if packed is not None else _PlainLinear(w)
 
             self.embed = cast(base.embed_tokens.weight)
             self.lm_head = linear(model.lm_head.weight)
@@ -206,8 +239,38 @@ class LlamaDecoder:
             inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # [d/2]
             angles = torch.outer(torch.arange(self.context_length, dtype=torch.float32), inv_freq)  # [context, d/2]
             self.rotary = torch.polar(torch.ones_like(angles), angles)[:, None, :]  # [context, 1, d/2] complex64
-        self.pool = SlotPool(len(self.layers), self.n_kv, self.context_length, self.head_dim, dtype)
-        self.kernels = self._choose_kernels(single_row, multi_row)
+        pool = exact_ops.ExactSlotPool if self.exact else SlotPool
+        self.pool = pool(len(self.layers), self.n_kv, self.capacity_limit, self.head_dim, dtype)
+        self.exact_plan: exact_ops.ExactPlan | None = None
+        if self.exact:
+            self.kernels = self._choose_kernels("packed", "packed")  # one kernel, never timed
+            self.exact_plan = self._verify_exact(probe_threads)
+        else:
+            self.kernels = self._choose_kernels(single_row, multi_row)
+
+    def _exact_linear(self, weight: torch.Tensor) -> Linear:
+        """The kernel exact mode runs ``weight`` [out, in] (this decoder's dtype) with: what `verify` checks."""
+        packed = _onednn_linear(weight, self.pack_rows) if self.pack_rows else None
+        if packed is None:
+            return _PlainLinear(weight)
+        layouts = _Layouts(packed, weight)
+        layouts.use("packed", "packed")
+        return layouts
+
+    def _verify_exact(self, probe_threads: tuple[int, ...] | None) -> exact_ops.ExactPlan:
+        """Check exact numerics on this CPU (core/exact_ops.py) and wrap the linears in the mode that holds."""
+        linears = [self.lm_head] + [f for layer in self.layers for f in (layer[1], layer[2], layer[4], layer[5])]
+        one_per_shape = list({f.shape: f for f in linears}.values())
+        threads = probe_threads or tuple(sorted({1, 2, torch.get_num_threads(), _available_cores()}))
+        shapes = tuple(f.shape for f in one_per_shape)
+        key = (self.dtype, shapes, self.n_heads, self.n_kv, self.head_dim, self.hidden, self.intermediate,
+               self.pack_rows, threads, type(one_per_shape[0]).__name__)
+        plan = exact_ops.verified_plan(key, lambda: exact_ops.verify(self, shapes, self._exact_linear, threads))
+        if plan.linear_mode != "flat":
+            wrap = lambda f: exact_ops.wrap_linear(f, plan.linear_mode)  # noqa: E731
+            self.lm_head = wrap(self.lm_head)
+            self.layers = [(ln1, wrap(qkv), wrap(o), ln2, wrap(gu), wrap(down)) for ln1, qkv, o, ln2, gu, down in self.layers]
+        return plan
 
     def _layouts(self) -> list[_Layouts]:
         linears = [self.lm_head] + [f for layer in self.layers for f in (layer[1], layer[2], layer[4], layer[5])]
@@ -266,12 +329,13 @@ class LlamaDecoder:
     def _reserve(self, cache: DecodeCache, end: int) -> None:
         if end > self.context_length:
             raise ValueError(f"{end} positions exceed the model's context length {self.context_length}")
-        if end <= cache.capacity:
+        need = exact_ops.round_up(end, exact_ops.KEY_BLOCK) if self.exact else end  # exact: keys in whole blocks
+        if need <= cache.capacity:
             return
         capacity = cache.capacity
-        while capacity < end:
+        while capacity < need:
             capacity *= 2
-        grown = self._alloc(min(capacity, self.context_length))
+        grown = self._alloc(min(capacity, self.capacity_limit))
         grown[:, :, :, : cache.capacity] = cache.buf
         cache.buf = grown
 
@@ -291,6 +355,8 @@ class LlamaDecoder:
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             buf[i, 0, :, start:end] = k.transpose(0, 1)  # keys [kv, n, d]
             buf[i, 1, :, start:end] = v.transpose(0, 1)  # values
+            if self.exact:
+                return exact_ops.masked_attention(self, q, buf[i, 0, :, :end], buf[i, 1, :, :end], mask)
             return self._attention(q, buf[i, 0, :, :end], buf[i, 1, :, :end], mask)
 
         return self.layers_with(x, rotary, attend)
@@ -305,6 +371,12 @@ class LlamaDecoder:
         )  # [1, h, n, d]
         return att[0].transpose(0, 1).reshape(n, h * d)
 
+    def rotate(self, qk: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
+        """q and k rows ``qk`` [n, (h + kv) * d] turned by ``rotary`` [n, 1, d/2]: [n, h + kv, d]."""
+        n, heads = qk.shape[0], self.n_heads + self.n_kv
+        pairs = torch.view_as_complex(qk.float().reshape(n, heads, self.head_dim // 2, 2))  # [n, h + kv, d/2]
+        return torch.view_as_real(pairs * rotary).reshape(n, heads, self.head_dim).to(self.dtype)
+
     def layers_with(self, x: torch.Tensor, rotary: torch.Tensor,
                     attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The one place the layer math lives. ``attend(layer, q [n, h, d], k [n, kv, d], v [n, kv, d])``
@@ -314,8 +386,7 @@ class LlamaDecoder:
         shape = (self.hidden,)
         for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
             qkv = qkv_proj(F.rms_norm(x, shape, ln1, self.eps))  # [n, (h + 2kv) * d]
-            qk = torch.view_as_complex(qkv[:, : (h + kv) * d].float().reshape(n, h + kv, d // 2, 2))  # [n, h + kv, d/2]
-            qk = torch.view_as_real(qk * rotary).reshape(n, h + kv, d).to(self.dtype)  # rotated q and k
+            qk = self.rotate(qkv[:, : (h + kv) * d], rotary)  # rotated q and k [n, h + kv, d]
             x = x + o_proj(attend(i, qk[:, :h], qk[:, h:], qkv[:, (h + kv) * d :].view(n, kv, d)))
             gate, up = gate_up_proj(F.rms_norm(x, shape, ln2, self.eps)).chunk(2, dim=-1)
             x = x + down_proj(F.silu(gate) * up)
@@ -345,14 +416,17 @@ class LlamaDecoder:
         rotary = self.rotary[positions]  # [N, 1, d/2]
 
         by_slab: dict[int, list[int]] = {}
-        groups: list[_SlabAttention | _AloneAttention] = []
+        groups: list[_SlabAttention | _AloneAttention | exact_ops.ExactGroup] = []
         for b, cache in enumerate(caches):
             if cache.pooled and cache.pool is self.pool:
                 by_slab.setdefault(cache.slab, []).append(b)
+            elif self.exact:
+                groups.append(exact_ops.alone_group(self, cache, starts[b], offsets[b], lengths[b]))
             else:
                 groups.append(_AloneAttention(self, cache, starts[b], offsets[b], offsets[b + 1]))
-        groups += [_SlabAttention(self, slab, [(caches[b].slot, starts[b], offsets[b], lengths[b]) for b in members])
-                   for slab, members in by_slab.items()]
+        for slab, members in by_slab.items():
+            layout = [(caches[b].slot, starts[b], offsets[b], lengths[b]) for b in members]
+            groups.append(exact_ops.slab_group(self, slab, layout) if self.exact else _SlabAttention(self, slab, layout))
         total = offsets[-1]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -373,6 +447,8 @@ class LlamaDecoder:
         """Feed ``token_ids`` at positions start.. into ``cache``; logits of the last ``num_last``
         (default: all) of them, ``[num_last, vocab]``."""
         n = len(token_ids)
+        if self.exact:  # one path for every row: a sequence alone is a batch of one
+            return self.forward_batch([cache], [list(token_ids)], [start], [n if num_last is None else num_last])[0]
         end = start + n
         self._reserve(cache, end)
         x = self.embed[torch.tensor(token_ids)]  # [n, hidden]

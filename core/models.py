@@ -6,7 +6,19 @@ from pathlib import Path
 
 import torch
 
+from specdec.core.cpu_features import check_dtype_supported
 from specdec.core.errors import ModelMismatch, ModelNotFound, UnsupportedModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what a model may run in on the CPU path
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A dtype from its name in a config or on the command line (``float32`` | ``bfloat16``), or itself."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -24,10 +36,12 @@ class LoadedModel:
         return self.tokenizer.eos_token_id
 
 
-def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, threads: int | None = None) -> LoadedModel:
+def load_causal_lm(path: str | Path, dtype: str | torch.dtype = torch.float32, threads: int | None = None) -> LoadedModel:
     """Load ``AutoModelForCausalLM`` and ``AutoTokenizer`` from a local folder; never from a hub.
 
-    float32 by default: CPUs without AVX-512 run bf16/fp16 matmuls far slower (FINDINGS.md).
+    ``dtype``: float32 (the default) or bfloat16 (a name or the dtype); bfloat16 only where the CPU
+    computes it natively (cpuinfo avx512_bf16 or amx_bf16; elsewhere it is emulated, several times
+    slower), else ValueError naming what the CPU has. The weights are loaded in that dtype.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -35,6 +49,8 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, threads
     hf_logging.disable_progress_bar()  # servers log lines, not progress bars
 
     folder = Path(path)
+    dtype = resolve_dtype(dtype)
+    check_dtype_supported(dtype, f"model {folder}")  # before minutes of loading
     if not (folder / "config.json").is_file():
         raise ModelNotFound(f"no model at {folder}: expected a folder saved with save_pretrained (config.json, *.safetensors, tokenizer files)")
     if threads:

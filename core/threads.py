@@ -15,7 +15,8 @@ to be slower, and a change of the machine's load is still seen within a few hund
 when the count in use gets slower: it is measured on every call). A size not seen before starts
 from the count the largest smaller size measured fastest (more rows never scale worse), so rare
 large calls (a prefill of many prompts) do not spend their first calls on the slower count. Pure:
-the caller sets the count and times the call.
+the caller sets the count and times the call. Under exact numerics (core/exact_ops.py, checked at
+load for the counts a chooser may pick) the count changes a forward's speed, never its logits.
 """
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ from specdec.core.errors import InvalidRequest, Overloaded, SessionAlreadyOpen, 
 from specdec.core.goodput import BatchCostModel, LoadRegimes
 from specdec.core.kv import KVSequence, common_prefix_len, logits_for_batch, shared_prefixes
 from specdec.core.kv_blocks import BlockLayout, encode_block, model_fingerprint
-from specdec.core.llama_decode import PACK_ROWS, LlamaDecoder, supports
-from specdec.core.models import LoadedModel, load_causal_lm
+from specdec.core.llama_decode import NUMERICS, PACK_ROWS, LlamaDecoder, supports
+from specdec.core.models import LoadedModel, load_causal_lm, resolve_dtype
 from specdec.core.coupled import coupled_verify_one, processed_logprobs
 from specdec.core.noise import gumbel_noise
 from specdec.core.runner import runner_for
@@ -48,6 +48,12 @@ class TargetConfig:
     # reference HF forward. Either way the verifier's forward defines the target distribution.
     fast_forward: bool = True
     pack_rows: int = PACK_ROWS
+    # The target's precision (weights, activations, KV cache): float32 | bfloat16 (CPUs with native bf16 only).
+    dtype: str = "float32"
+    # fast | exact. exact: a row's logits are bitwise the same whatever else shares the forward (its
+    # block's other rows, other sessions, thread count; core/exact_ops.py), so speculation never
+    # changes greedy output. Needs the lean forward.
+    numerics: str = "fast"
     # KV memory budget in tokens over all sessions (None: max_sessions full contexts). A session
     # reserves prompt + max_new_tokens (at most the context) when it opens, so one admitted never
     # runs out mid-stream; one that does not fit is refused with RESOURCE_EXHAUSTED.
@@ -96,18 +102,23 @@ class VerifierEngine:
         self.config = config
         self.sessions: SessionTable[_Session] = SessionTable(config.max_sessions, config.idle_timeout_s)
         fast = config.fast_forward and supports(loaded.model)
-        self.decoder = LlamaDecoder(loaded.model, pack_rows=config.pack_rows) if fast else None
+        if config.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {config.numerics!r}")
+        if config.numerics != "fast" and not fast:
+            raise ValueError(f"numerics={config.numerics!r} needs the lean forward (fast_forward on, a plain Llama)")
+        self.decoder = LlamaDecoder(loaded.model, pack_rows=config.pack_rows, dtype=resolve_dtype(config.dtype),
+                                    numerics=config.numerics) if fast else None
         self.runner = runner_for(loaded.model, self.decoder)  # every session's forward goes through it, batched
         self.last_prefill_tokens = 0  # positions the last prefill batch computed (the rest came from stored KV blocks)
         self.layout = None  # the KV block layout, on the lean forward (blocks are its buffer's bytes)
         if self.decoder is not None:
             d = self.decoder
             self.layout = BlockLayout(len(d.layers), d.n_kv, d.head_dim, d.dtype, config.kv_block_tokens,
-                                      model_fingerprint(loaded.model, d.dtype))
+                                      model_fingerprint(loaded.model, d.dtype, d.numerics))
 
     @classmethod
     def from_config(cls, config: TargetConfig) -> "VerifierEngine":
-        return cls(load_causal_lm(config.model_path, threads=config.threads), config)
+        return cls(load_causal_lm(config.model_path, dtype=config.dtype, threads=config.threads), config)
 
     def open(self, spec: SessionSpec, max_new_tokens: int | None = None, stored: Sequence[torch.Tensor] = ()) -> int:
         """Prefill a session; ``max_new_tokens`` sizes its KV reservation (None: the whole context);
