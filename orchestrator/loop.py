@@ -55,6 +55,9 @@ class Chunk:
     completion_tokens: int = 0
     counters: SpecCounters = SpecCounters()
     last_num_speculative_tokens: int = 0
+    # The step this chunk comes from (0 and 0 for a chunk that replays tokens committed earlier).
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -300,7 +303,8 @@ class Orchestrator:
                 if finish is not None:
                     text += detok.finish()
                 yield Chunk(token_ids=tokens, text=text, finish_reason=finish, completion_tokens=generated,
-                            counters=counters, last_num_speculative_tokens=drafted, **common)
+                            counters=counters, last_num_speculative_tokens=drafted, num_draft_tokens=drafted,
+                            num_accepted=step.num_accepted, **common)
                 if finish is not None:
                     return
         finally:

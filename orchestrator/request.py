@@ -57,6 +57,9 @@ class GenerationRequest:
             raise InvalidRequest(f"drafter name is over {config.max_drafter_name_chars} characters: name a drafter this server serves")
         if self.prompt_ids is not None and not self.prompt_ids:
             raise InvalidRequest("prompt is empty: send at least one token id")
+        if self.prompt_ids is not None and len(self.prompt_ids) > config.max_prompt_token_ids:
+            raise InvalidRequest(f"the prompt has {len(self.prompt_ids)} token ids; this server takes at most "
+                                 f"{config.max_prompt_token_ids}: send a shorter prompt")
         if not 1 <= self.max_new_tokens <= config.max_new_tokens_limit:
             raise InvalidRequest(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {self.max_new_tokens}")
         if len(self.stop) > config.max_stop_sequences:

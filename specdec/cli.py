@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="orchestrator: requests waiting in line (FIFO) for a running slot; past that RESOURCE_EXHAUSTED")
     serve.add_argument("--max-prompt-bytes", type=int, default=1 << 20, help="orchestrator: longest prompt text, checked before tokenizing")
+    serve.add_argument("--http-port", type=int, default=None,
+                       help="orchestrator: also serve the OpenAI-compatible HTTP API on this port, with the gRPC API's keys, "
+                            "TLS certificate and limits (default: none)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="orchestrator: the model name the HTTP API serves (default: the target folder's name)")
     serve.add_argument("--no-draft-model", action="store_true", help="draft role: serve only model-free drafters")
     serve.add_argument("--max-sessions", type=int, default=256, help="draft/target: sessions open at once on this worker")
     serve.add_argument("--max-kv-tokens", type=int, default=None,
@@ -144,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"client API keys, one per line (default ${ENV_API_KEYS_FILE}; none: the client API is open)")
     up.add_argument("--tls", action="store_true",
                     help="TLS on every hop (mutual between roles) with a development CA made for this run")
+    up.add_argument("--http-port", type=int, default=None,
+                    help="the OpenAI-compatible HTTP API of orchestrator i on this port + i (default: the ports after "
+                         "the gRPC ones, base + 3 x replicas; -1: no HTTP API)")
     _add_model_args(up)
 
     certs = sub.add_parser("certs", help="make a development CA and a certificate for every role (TLS and mutual TLS)")
@@ -373,12 +381,27 @@ async def _serve(args) -> int:
         store = roles.make_store(args.redis_url, config.session_ttl_s)
         upstreams = roles.Upstreams(args.drafter_address, args.verifier_address, model_path(args.target, ENV_TARGET, "target"),
                                     service_token=token, tls=tls, step_timeout_s=args.step_timeout_s)
-        running, _ = await roles.start_orchestrator(config, upstreams, store, server, registry=registry)
+        running, orch = await roles.start_orchestrator(config, upstreams, store, server, registry=registry)
+        if args.http_port is not None:
+            name = args.served_model_name or Path(upstreams.tokenizer_path).name
+            running = _WithHttp(running, await roles.start_http_api(orch, server, args.http_port, name))
     extra = "".join([f", health on {running.health_address}" if running.health_address else "",
+                     f", HTTP API on {running.http.url}/v1" if isinstance(running, _WithHttp) else "",
                      f", metrics on :{metrics_server.port}/metrics" if metrics_server else ""])
     print(f"specdec {args.role} serving on {running.address}{extra}", flush=True)
     await serve_forever(running, server.grace_s, on_stop=metrics_server.stop if metrics_server else None)
     return 0
+
+
+class _WithHttp:
+    """An orchestrator's gRPC server and its HTTP API, drained together on SIGTERM."""
+
+    def __init__(self, running, http) -> None:
+        self.running, self.http = running, http
+        self.address, self.health_address = running.address, running.health_address
+
+    async def stop(self, grace_s: float) -> None:
+        await asyncio.gather(self.running.stop(grace_s), self.http.stop(grace_s))
 
 
 def up_ports(base: int, replicas: int) -> dict[str, list[int]]:
@@ -387,8 +410,18 @@ def up_ports(base: int, replicas: int) -> dict[str, list[int]]:
             for role, offset in (("orchestrator", 0), ("draft", 1), ("target", 2))}
 
 
-def up_commands(common: list[str], host: str, ports: dict[str, list[int]], redis_url: str) -> dict[str, list[str]]:
-    """name -> argv of every process: each orchestrator over a pool of all verifiers and drafters."""
+def up_http_ports(base: int, replicas: int, http_port: int | None) -> list[int]:
+    """The HTTP API port of each orchestrator `specdec up` starts (none with ``http_port`` -1)."""
+    if http_port is not None and http_port < 0:
+        return []
+    first = base + 3 * replicas if http_port is None else http_port
+    return [first + i for i in range(replicas)]
+
+
+def up_commands(common: list[str], host: str, ports: dict[str, list[int]], redis_url: str,
+                http_ports: list[int] | None = None) -> dict[str, list[str]]:
+    """name -> argv of every process: each orchestrator over a pool of all verifiers and drafters
+    (orchestrator i serving HTTP on ``http_ports[i]`` when given)."""
     drafters = ",".join(f"{host}:{p}" for p in ports["draft"])
     verifiers = ",".join(f"{host}:{p}" for p in ports["target"])
     commands = {}
@@ -396,7 +429,8 @@ def up_commands(common: list[str], host: str, ports: dict[str, list[int]], redis
         for i, port in enumerate(ports[role]):
             name = role if len(ports[role]) == 1 else f"{role}-{i}"
             commands[name] = common + [role, "--port", str(port), "--drafter-address", drafters, "--verifier-address", verifiers,
-                                       *(["--redis-url", redis_url] if role == "orchestrator" else [])]
+                                       *(["--redis-url", redis_url] if role == "orchestrator" else []),
+                                       *(["--http-port", str(http_ports[i])] if role == "orchestrator" and http_ports else [])]
     return commands
 
 
@@ -432,11 +466,15 @@ def _up(args) -> int:
         paths = make_dev_certs(tls_dir, [args.host], days=1)
         ca_file = str(paths["ca.crt"])
         common += ["--tls-cert", str(paths["tls.crt"]), "--tls-key", str(paths["tls.key"]), "--tls-ca", ca_file]
-    commands = up_commands(common, args.host, ports, args.redis_url)
+    http_ports = up_http_ports(args.base_port, args.replicas, args.http_port)
+    commands = up_commands(common, args.host, ports, args.redis_url, http_ports)
     procs = {name: subprocess.Popen(argv, env=env) for name, argv in commands.items()}
     orchestrators = ",".join(f"{args.host}:{p}" for p in ports["orchestrator"])
     print(f"specdec up: starting orchestrator {orchestrators}, draft {','.join(map(str, ports['draft']))}, "
           f"target {','.join(map(str, ports['target']))}; sessions in {args.redis_url}", flush=True)
+    if not args.api_keys_file:
+        print(f"specdec up: warning: no --api-keys-file: the client API (gRPC and HTTP) is open to anyone who can reach "
+              f"{args.host}, sessions included; pass --api-keys-file for anything shared", file=sys.stderr, flush=True)
     stopping = False
     ready = False
 
@@ -460,6 +498,9 @@ def _up(args) -> int:
                 tls_hint = f" --tls-ca {ca_file}" if ca_file else ""
                 print(f"specdec up: ready. Try: specdec generate --server {orchestrators}{tls_hint} "
                       f"\"def fib(n):\"", flush=True)
+                scheme = "https" if ca_file else "http"
+                for port in http_ports:
+                    print(f"specdec up: OpenAI-compatible HTTP API on {scheme}://{_url_host(args.host)}:{port}/v1", flush=True)
             time.sleep(0.2)
     finally:
         for p in procs.values():
@@ -475,6 +516,10 @@ def _up(args) -> int:
 
             shutil.rmtree(tls_dir, ignore_errors=True)
     return 0 if stopping else 1
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _healthy(address: str, ca_file: str | None = None) -> bool:

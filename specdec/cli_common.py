@@ -30,12 +30,14 @@ SERVER_PACKAGES = {
     "kubernetes": "kubernetes",
     "grpc_health": "grpcio-health-checking",
     "grpc_reflection": "grpcio-reflection",
+    "starlette": "starlette",
+    "uvicorn": "uvicorn",
 }
 _BROUGHT_BY = {"urllib3": "kubernetes"}  # imported by specdec.autoscale, installed by kubernetes
 SERVER_EXTRA_HINT = "pip install 'specdec[server]'"
 # What of it each kind of command imports: the models alone, or a role's server around them.
 MODEL_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy")
-ROLE_PACKAGES = (*MODEL_PACKAGES, "redis", "prometheus_client", "grpc_health", "grpc_reflection")
+ROLE_PACKAGES = (*MODEL_PACKAGES, "redis", "prometheus_client", "grpc_health", "grpc_reflection", "starlette", "uvicorn")
 
 
 class UsageError(Exception):

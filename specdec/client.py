@@ -5,9 +5,11 @@ order; a failover is only a pause.
 
 The stream counts as broken on UNAVAILABLE (the orchestrator died, or stopped answering the
 channel's keepalive pings: a frozen process is noticed within seconds), CANCELLED from the server
-side (a drain that outlasted its grace), and, once the session exists, INTERNAL or UNKNOWN (a
-transport reset). Anything that says the request itself is wrong (INVALID_ARGUMENT, NOT_FOUND,
-PERMISSION_DENIED, ...) is raised at once; so is the caller's own deadline.
+side (a drain that outlasted its grace), RESOURCE_EXHAUSTED (the orchestrator is at its admission
+limit: the next one is asked, and once around them all, with a growing pause, bounded by
+``retry_for_s``), and, once the session exists, INTERNAL or UNKNOWN (a transport reset). Anything
+that says the request itself is wrong (INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, ...) is
+raised at once; so is the caller's own deadline.
 """
 from __future__ import annotations
 
@@ -25,9 +27,10 @@ from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# Before the first message no session exists yet: only an orchestrator that is gone or going is
-# tried again (a new Generate each time; an INTERNAL there is a server's bug, not worth repeating).
-RETRY_START = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+# Before the first message no session exists yet: only an orchestrator that is gone, going or full
+# is tried again (a new Generate each time; an INTERNAL there is a server's bug, not worth repeating).
+# RESOURCE_EXHAUSTED is the server's "retry later or on another replica": the next one is tried.
+RETRY_START = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED})
 # Once there is a session, resuming is idempotent: any break is resumed, as is a resume refused
 # because a stream being fenced off still committed (read again; see SessionStore.claim).
 RETRY_RESUME = RETRY_START | {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.FAILED_PRECONDITION}
@@ -51,6 +54,11 @@ class StreamReport:
     received: int = 0
     address: str = ""  # the orchestrator streaming it now
     failovers: list[Failover] = field(default_factory=list)
+
+
+def _too_large(err: grpc.aio.AioRpcError) -> bool:
+    """gRPC's own RESOURCE_EXHAUSTED for a message over its size limit: no replica would take it."""
+    return err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (err.details() or "")
 
 
 class ResumingClient:
@@ -106,7 +114,7 @@ class ResumingClient:
                 code = err.code()
                 retryable = RETRY_RESUME if report.session_id else RETRY_START
                 own_deadline = deadline is not None and time.monotonic() >= deadline
-                if code not in retryable or own_deadline:
+                if code not in retryable or own_deadline or _too_large(err):
                     raise
                 if broke is None:
                     broke, broke_at = Failover(code.name, report.received), time.monotonic()

@@ -29,6 +29,8 @@ from specdec.target.worker import LocalVerifier
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from specdec.orchestrator.http_server import HttpServer
+
 log = logging.getLogger(__name__)
 
 
@@ -164,6 +166,15 @@ async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, s
                         metrics=OrchestratorMetrics(registry) if registry is not None else None, drafters=drafters)
     orch.start_reaper()
     return await start_server(server, servicer.register(orch, server.credentials), [servicer.SERVICE_NAME]), orch
+
+
+async def start_http_api(orchestrator: Orchestrator, server: ServerConfig, port: int, model_name: str) -> "HttpServer":
+    """The OpenAI-compatible HTTP API on ``server.host:port``, beside the gRPC API of ``server``: the
+    same orchestrator (validation, admission, sessions, limits), API keys and TLS certificate."""
+    from specdec.orchestrator.http import HttpApi, HttpConfig
+    from specdec.orchestrator.http_server import start_http
+
+    return await start_http(HttpApi(orchestrator, HttpConfig(model_name), server.credentials), server.host, port, server.tls)
 
 
 async def _wait_for(probe, wait_s: float, what: str):

@@ -15,7 +15,6 @@ import pytest
 
 from specdec.core.redis_store import RedisSessionStore
 from specdec.orchestrator.loop import Orchestrator, collect
-from specdec.orchestrator.request import GenerationRequest
 
 from redis_server import free_port, ping
 from test_worker_failure import greedy
