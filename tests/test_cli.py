@@ -214,3 +214,20 @@ async def test_servers_offer_health_and_reflection(cluster):
             replies = [r async for r in stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))]
             names = {s.name for s in replies[0].list_services_response.service}
             assert service in names and "grpc.health.v1.Health" in names
+
+
+def test_exact_numerics_keep_greedy_output_equal_to_k0_in_the_target_dtype(tiny_pair, capsys):
+    """--dtype/--numerics reach the target: speculative greedy output equals specdec's own k = 0 in
+    the same dtype (bfloat16 where the CPU has it natively), and impossible combinations are refused."""
+    target, draft = tiny_pair
+    dtype = "bfloat16" if native_bf16() else "float32"
+    common = ("generate", "def add(a, b):", "--target", target, "--draft", draft, "--max-new-tokens", "16", "--json",
+              "--numerics", "exact", "--dtype", dtype, "--threads", "1")
+    outputs = {}
+    for k in ("0", "3"):
+        code, stdout, stderr = in_process(*common, "-k", k, capsys=capsys)
+        assert code == 0, stderr
+        outputs[k] = json.loads(stdout)["token_ids"]
+    assert outputs["3"] == outputs["0"] and len(outputs["0"]) == 16
+    code, _, stderr = in_process(*common, "--reference-forward", capsys=capsys)
+    assert code == 2 and "--numerics exact needs specdec's lean forward" in stderr
