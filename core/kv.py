@@ -11,9 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-# The bookkeeping drives the runner interface, which never imports back; crop_to belongs to the HF
-# runner's truncate and is re-exported here for older callers.
-from specdec.core.runner import Feed, ModelRunner, crop_to, runner_for  # noqa: F401
+# The bookkeeping drives the runner interface, which never imports back.
+from specdec.core.runner import Feed, ModelRunner, runner_for
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

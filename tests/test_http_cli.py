@@ -3,12 +3,13 @@ the client API is open to anyone; `up` hands each orchestrator its HTTP port."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
+
+from test_cli import free_port_block
 
 ENV = {**os.environ, "SPECDEC_TARGET_MODEL": "", "SPECDEC_DRAFT_MODEL": "", "SPECDEC_API_KEYS_FILE": ""}
 
@@ -22,25 +23,6 @@ def test_up_gives_each_orchestrator_an_http_port():
     two = up_commands(["specdec", "serve"], "127.0.0.1", up_ports(9000, 2), "redis://r", up_http_ports(9000, 2, None))
     assert two["orchestrator-0"][-2:] == ["--http-port", "9006"] and two["orchestrator-1"][-2:] == ["--http-port", "9007"]
     assert "--http-port" not in two["target-0"] + two["draft-0"]
-
-
-def free_port_block(n: int) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65535 and all(_free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no free port block")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def test_up_serves_http_prints_its_url_and_warns_without_keys(tiny_pair, redis_url):

@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from specdec.core.kv import KVSequence, crop_to
+from specdec.core.kv import KVSequence
+from specdec.core.runner import crop_to
 from specdec.core.llama_decode import LlamaDecoder, native_bf16, supports
 
 
