@@ -26,13 +26,13 @@ async def write_cost(args, engine: VerifierEngine, steps: int = 200, rounds: int
 
     from specdec.core.sampling import SamplingParams
     from specdec.core.steps import DraftProposal, SessionSpec
-    from specdec.target.engine import AsyncVerifierEngine
+    from specdec.target.scheduler import VerifierScheduler
 
     store = RedisKVStore.from_url(args.redis_url, engine.layout, prefix=f"specdec-bench-{uuid.uuid4().hex[:8]}")
     rates: dict[str, list[float]] = {"without": [], "with": []}
     for _ in range(rounds):
         for mode in ("without", "with"):
-            verifier = AsyncVerifierEngine(engine, threaded=False, kv_store=store if mode == "with" else None)
+            verifier = VerifierScheduler(engine, threaded=False, kv_store=store if mode == "with" else None)
             sid = secrets.token_hex(16)
             await verifier.open(SessionSpec(sid, tuple(range(3, 40)), SamplingParams(seed=1), "ngram"), max_new_tokens=steps)
             t0 = time.perf_counter()

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from specdec import bench_load, bench_report
 from specdec.bench_common import bench_prompts
-from specdec.bench_methods import DEFAULT_KS, BenchConfig, Method, all_methods, select
+from specdec.bench_methods import BASELINE, DEFAULT_KS, BenchConfig, Method, all_methods, select
 from specdec.bench_runners import BenchError, Deployment, Run, Runners, until_exit_or
-from specdec.cli_common import ENV_DRAFT, ENV_REDIS, ENV_TARGET, UsageError, model_path, probability_below_one
+from specdec.cli_common import ENV_DRAFT, ENV_REDIS, ENV_TARGET, UsageError, model_path, probability_below_one, target_numerics
 
 
 # ----------------------------------------------------------------------------- the run
@@ -45,7 +45,7 @@ def bench(config: BenchConfig, progress: Callable[..., None] | None = None) -> d
     and return the report (see ``specdec.bench_report.report``)."""
     progress = progress or _Progress()
     config.out.mkdir(parents=True, exist_ok=True)
-    methods = select(all_methods(config.ks), config.methods)
+    methods = select(all_methods(config.ks), config.methods, (BASELINE, config.reference))
     if not config.distributed:
         methods = [m for m in methods if not m.distributed]
     deployment = Deployment.start(config) if any(m.distributed for m in methods) else None
@@ -77,8 +77,9 @@ async def _run_all(config: BenchConfig, methods: list[Method], runners: Runners,
                 if i < 0:
                     continue
                 results.runs[m.name].append(run)
-                ref = run.token_ids if ref is None else ref  # the baseline runs first
-                if run.token_ids != ref:
+                if m.name == config.reference:
+                    ref = run.token_ids  # the reference runs before every method compared with it
+                if ref is not None and run.token_ids != ref:
                     first = next((j for j, (a, b) in enumerate(zip(run.token_ids, ref)) if a != b), min(len(ref), len(run.token_ids)))
                     results.mismatches.append({"prompt": i, "method": m.name, "first_difference_at": first})
         progress(f"done in {time.perf_counter() - t0:.1f}s", end=True)
@@ -119,6 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "`specdec up`'s processes 1 each)")
     p.add_argument("--draft-min-confidence", type=probability_below_one, default=0.0, metavar="P",
                    help="the drafter ends a block after a token it gives less than P probability (default 0: blocks of k)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the target's precision in specdec's methods; in bfloat16 outputs are compared with specdec's own k = 0")
+    p.add_argument("--numerics", choices=("fast", "exact"), default="fast",
+                   help="the target's numerics in specdec's methods (docs/guarantees.md)")
     p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png (default ./bench-results)")
     p.add_argument("--concurrency", help="instead: a load benchmark in one process at these levels, e.g. 1,4,16,64 "
                                          "(load.json, load.png)")
@@ -149,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     prompts, source = bench_prompts(args.prompts, target, args.prompts_file)
     config = BenchConfig(target, model_path(args.draft, ENV_DRAFT, "draft"), tuple(prompts), args.max_new_tokens, ks,
                          tuple(p.strip() for p in args.methods.split(",") if p.strip()), not args.skip_distributed,
-                         args.redis_url, Path(args.out), source, threads, args.draft_min_confidence)
+                         args.redis_url, Path(args.out), source, threads, args.draft_min_confidence,
+                         **target_numerics(args.dtype, args.numerics))
     # Ctrl-C raises KeyboardInterrupt; make SIGTERM unwind the same way so `specdec up` is stopped.
     if args.concurrency:
         try:

@@ -104,7 +104,7 @@ async def load_bench(orch, prompts: list[str], levels: list[int], modes: list[st
     """Every level x mode, ``rounds`` times; returns {"level/mode": figures}."""
     await run_level(orch, prompts, 2, policy_for("off"), 16, 1)  # warm-up: first-call costs out of the figures
     results = {}
-    batches = orch.verifier.engine.batch_sizes
+    batches = orch.verifier.scheduler.batch_sizes
     for level in levels:
         per_client = max(1, round(tokens_per_level / (level * max_new)))
         runs: dict[str, list[dict]] = {mode: [] for mode in modes}
@@ -176,7 +176,7 @@ def run(config, levels: list[int], modes: list[str], tokens_per_level: int, out:
     from specdec.orchestrator.request import OrchestratorConfig
     from specdec.target.engine import TargetConfig
 
-    orch = roles.embedded(TargetConfig(config.target, threads=config.threads),
+    orch = roles.embedded(TargetConfig(config.target, threads=config.threads, dtype=config.dtype, numerics=config.numerics),
                           DraftConfig(config.draft, config.target, threads=config.threads,
                                       min_confidence=config.draft_min_confidence),
                           OrchestratorConfig(max_new_tokens_limit=max(2048, config.max_new_tokens),

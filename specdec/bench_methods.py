@@ -30,6 +30,14 @@ class BenchConfig:
     prompt_source: str = ""
     threads: int | None = 1  # torch threads per model; None: in-process methods choose per forward, as `specdec generate` does
     draft_min_confidence: float = 0.0  # the drafter's --draft-min-confidence, in every method
+    dtype: str = "float32"  # the target's, in specdec's methods (the transformers baseline stays float32)
+    numerics: str = "fast"
+
+    @property
+    def reference(self) -> str:
+        """The method every output must equal: transformers in float32; specdec's own k = 0 in the
+        target's dtype otherwise (bf16 logits differ from fp32 ones: docs/guarantees.md)."""
+        return BASELINE if self.dtype == "float32" else "specdec_k0"
 
 
 @dataclass(frozen=True)
@@ -58,9 +66,10 @@ def all_methods(ks: tuple[int, ...]) -> list[Method]:
     return methods
 
 
-def select(methods: list[Method], patterns: tuple[str, ...]) -> list[Method]:
-    """Methods whose name contains a pattern or matches it as a glob; the baseline always."""
+def select(methods: list[Method], patterns: tuple[str, ...], always: tuple[str, ...] = (BASELINE,)) -> list[Method]:
+    """Methods whose name contains a pattern or matches it as a glob; the baseline (and the
+    reference, where it is not the baseline: ``always``) whatever the patterns."""
     def wanted(name: str) -> bool:
         return not patterns or any(p in name or fnmatch.fnmatchcase(name, p) for p in patterns)
 
-    return [m for m in methods if m.name == BASELINE or wanted(m.name)]
+    return [m for m in methods if m.name in always or wanted(m.name)]

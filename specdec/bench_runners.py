@@ -52,7 +52,7 @@ class Runners:
         self.hf = AutoModelForCausalLM.from_pretrained(config.target, local_files_only=True, dtype=torch.float32).eval()
         self.orch = None
         if in_process:
-            self.orch = roles.embedded(TargetConfig(config.target, threads=config.threads),
+            self.orch = roles.embedded(TargetConfig(config.target, threads=config.threads, dtype=config.dtype, numerics=config.numerics),
                                        DraftConfig(config.draft, config.target, threads=config.threads,
                                                    min_confidence=config.draft_min_confidence),
                                        OrchestratorConfig(max_new_tokens_limit=max(2048, self.n)))
@@ -89,7 +89,7 @@ class Runners:
         if method.policy is None and self.orch is not None and self.auto_threads:
             # On the in-process model thread: a second OpenMP team of every core, on this thread,
             # would make libgomp throttle both teams' spinning (more OpenMP threads than cores).
-            ids, counters = await self.orch.verifier.engine.on_model_thread(self._hf, prompt), None
+            ids, counters = await self.orch.verifier.scheduler.on_model_thread(self._hf, prompt), None
         elif method.policy is None:
             ids, counters = self._hf(prompt), None
         elif method.distributed:
@@ -152,7 +152,8 @@ class Deployment:
             proc = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--target", config.target, "--draft", config.draft,
                                      "--base-port", str(base), "--redis-url", config.redis_url,
                                      "--threads", str(config.threads or 1),
-                                     "--draft-min-confidence", str(config.draft_min_confidence)],
+                                     "--draft-min-confidence", str(config.draft_min_confidence),
+                                     "--dtype", config.dtype, "--numerics", config.numerics],
                                     stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         return cls(proc, f"127.0.0.1:{base}", log)
 

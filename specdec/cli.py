@@ -34,6 +34,7 @@ from specdec.cli_common import (
     probability_below_one,
     require_server_extra,
     server_package_of,
+    target_numerics,
 )
 from specdec.core.errors import SpecdecError
 
@@ -198,20 +199,6 @@ def _add_tls_args(p: argparse.ArgumentParser) -> None:
                                     "(mutual TLS); callers verify the workers against it")
 
 
-def target_numerics(args) -> dict[str, str]:
-    """The target's --dtype and --numerics as TargetConfig fields; a combination this machine or
-    forward cannot run is a usage error, not a traceback from deep in the load."""
-    if args.numerics == "exact" and args.reference_forward:
-        raise UsageError("--numerics exact needs specdec's lean forward: drop --reference-forward")
-    if args.dtype == "bfloat16":
-        from specdec.core.cpu_features import describe_cpu, native_bf16
-
-        if not native_bf16():
-            raise UsageError(f"--dtype bfloat16 needs a CPU with native bf16 (avx512_bf16 or amx_bf16); "
-                             f"this one has neither ({describe_cpu()}): use --dtype float32")
-    return {"dtype": args.dtype, "numerics": args.numerics}
-
-
 def tls_files(args) -> "TlsFiles | None":
     from specdec.rpc.tls import TlsFiles
 
@@ -271,7 +258,7 @@ async def _generate_embedded(args) -> int:
     # torch thread count is chosen by measuring: more threads win on an idle machine and lose badly
     # while another process keeps a core busy (docs/performance.md).
     threads = args.threads
-    orch = roles.embedded(TargetConfig(target, threads=threads, fast_forward=fast, **target_numerics(args)),
+    orch = roles.embedded(TargetConfig(target, threads=threads, fast_forward=fast, **target_numerics(args.dtype, args.numerics, args.reference_forward)),
                           DraftConfig(draft, target, threads=threads, fast_draft_forward=fast, draft_dtype=args.draft_dtype,
                                       min_confidence=args.draft_min_confidence),
                           OrchestratorConfig(default_drafter=args.drafter))
@@ -390,7 +377,7 @@ async def _serve(args) -> int:
         config = TargetConfig(model_path(args.target, ENV_TARGET, "target"), threads=args.threads, fast_forward=not args.reference_forward,
                               max_sessions=args.max_sessions, max_kv_tokens=args.max_kv_tokens,
                               kv_redis_url=args.kv_redis_url, kv_block_tokens=args.kv_block_tokens,
-                              kv_redis_max_tokens=args.kv_redis_max_tokens, **target_numerics(args))
+                              kv_redis_max_tokens=args.kv_redis_max_tokens, **target_numerics(args.dtype, args.numerics, args.reference_forward))
         running, _ = await roles.start_target(config, server, service_token=token, registry=registry)
     else:
         from specdec.orchestrator.request import OrchestratorConfig
@@ -475,7 +462,7 @@ def _up(args) -> int:
     if args.reference_forward:
         common += ["--reference-forward"]
     common += ["--draft-dtype", args.draft_dtype, "--draft-min-confidence", str(args.draft_min_confidence)]
-    target_numerics(args)  # refused here, before any process starts
+    target_numerics(args.dtype, args.numerics, args.reference_forward)  # refused here, before any process starts
     common += ["--dtype", args.dtype, "--numerics", args.numerics]
     ca_file = tls_dir = None
     if args.tls:

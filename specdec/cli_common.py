@@ -101,3 +101,17 @@ def probability_below_one(text: str) -> float:
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
     return value
+
+
+def target_numerics(dtype: str, numerics: str, reference_forward: bool = False) -> dict[str, str]:
+    """The target's --dtype and --numerics as TargetConfig fields; a combination this machine or
+    forward cannot run is a usage error, not a traceback from deep in the load."""
+    if numerics == "exact" and reference_forward:
+        raise UsageError("--numerics exact needs specdec's lean forward: drop --reference-forward")
+    if dtype == "bfloat16":
+        from specdec.core.cpu_features import describe_cpu, native_bf16
+
+        if not native_bf16():
+            raise UsageError(f"--dtype bfloat16 needs a CPU with native bf16 (avx512_bf16 or amx_bf16); "
+                             f"this one has neither ({describe_cpu()}): use --dtype float32")
+    return {"dtype": dtype, "numerics": numerics}

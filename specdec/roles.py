@@ -22,7 +22,8 @@ from specdec.orchestrator.loop import Orchestrator, TargetInfo
 from specdec.orchestrator.request import OrchestratorConfig
 from specdec.rpc.server import RunningServer, ServerConfig, start_server
 from specdec.rpc.tls import TlsFiles
-from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
+from specdec.target.engine import TargetConfig, VerifierEngine
+from specdec.target.scheduler import VerifierScheduler
 from specdec.target.loop import LoopConfig
 from specdec.target.worker import LocalVerifier
 
@@ -76,8 +77,8 @@ def embedded_engines(verifier: VerifierEngine, drafter: DraftEngine, config: Orc
 
     loaded = verifier.loaded
     info = TargetInfo(loaded.tokenizer, loaded.vocab_size, loaded.context_length, loaded.eos_token_id, tuple(drafter.drafters))
-    engine = AsyncVerifierEngine(verifier, executor=drafter, threads=threads)
-    local = LocalVerifier(engine, lambda run: LocalDraftLink(drafter), loop_config)
+    scheduler = VerifierScheduler(verifier, executor=drafter, threads=threads)
+    local = LocalVerifier(scheduler, lambda run: LocalDraftLink(drafter), loop_config)
     return Orchestrator(info, local, store or InMemorySessionStore(config.session_ttl_s), config)
 
 
@@ -108,9 +109,9 @@ async def start_target(config: TargetConfig, server: ServerConfig, loop_config: 
 
         kv_store = RedisKVStore.from_url(config.kv_redis_url, verifier_engine.layout, prefix=config.kv_prefix,
                                          max_session_tokens=config.kv_redis_max_tokens)
-    engine = AsyncVerifierEngine(verifier_engine, metrics=VerifierMetrics(registry) if registry is not None else None,
-                                 kv_store=kv_store)
-    verifier = LocalVerifier(engine, lambda run: RemoteDraftLink(channels, run.drafter_address, run.drafter_server_name) if run.drafter_address else None,
+    scheduler = VerifierScheduler(verifier_engine, metrics=VerifierMetrics(registry) if registry is not None else None,
+                                  kv_store=kv_store)
+    verifier = LocalVerifier(scheduler, lambda run: RemoteDraftLink(channels, run.drafter_address, run.drafter_server_name) if run.drafter_address else None,
                              loop_config)
     return await start_server(server, servicer.register(verifier), [servicer.SERVICE_NAME]), verifier
 

@@ -74,14 +74,17 @@ class Cluster:
 
 async def start_cluster(target_path: str, draft_path: str, redis_url: str, prefix: str,
                         config: OrchestratorConfig | None = None, api_keys: tuple[str, ...] = (),
-                        service_token: str | None = None, tls: TlsFiles | None = None, metrics: bool = False) -> Cluster:
+                        service_token: str | None = None, tls: TlsFiles | None = None, metrics: bool = False,
+                        target_dtype: str = "float32", target_numerics: str = "fast") -> Cluster:
     """``api_keys``: the client API's keys; ``service_token``: the internal hops' (none: open);
-    ``tls``: TLS on every hop, mutual between roles (none: plaintext); ``metrics``: a registry per role."""
+    ``tls``: TLS on every hop, mutual between roles (none: plaintext); ``metrics``: a registry per role;
+    ``target_dtype``, ``target_numerics``: the verifier's precision and numerics (TargetConfig)."""
     registries = {role: CollectorRegistry() for role in ("draft", "target", "orchestrator")} if metrics else {}
     internal = replace(LOOPBACK, credentials=Credentials((service_token,) if service_token else ()), tls=tls,
                        require_client_cert=tls is not None)
     draft_server, draft = await roles.start_draft(DraftConfig(draft_path, target_path), internal, registries.get("draft"))
-    target_server, target = await roles.start_target(TargetConfig(target_path), internal, loop_config=PATIENT, service_token=service_token,
+    target_config = TargetConfig(target_path, dtype=target_dtype, numerics=target_numerics)
+    target_server, target = await roles.start_target(target_config, internal, loop_config=PATIENT, service_token=service_token,
                                                      registry=registries.get("target"))
     store = RedisSessionStore.from_url(redis_url, prefix=prefix)
     # Ceilings, not detection times: no test here freezes a worker and waits to see it noticed.
@@ -119,7 +122,7 @@ async def drafts_settle_before_each_verify(cluster: Cluster, ceiling_s: float = 
     loop = asyncio.get_running_loop()
     job_done = asyncio.Event()  # set (from the draft thread) whenever a job ends: time to look again
     real_next_job = draft._next_job  # called under draft._lock, on the draft thread
-    real_verify = verifier.engine.verify
+    real_step = verifier.scheduler.step
     real_config = verifier.config
 
     def next_job():
@@ -138,7 +141,7 @@ async def drafts_settle_before_each_verify(cluster: Cluster, ceiling_s: float = 
         return run
 
     def settled(session_id: str) -> bool:
-        target_session = verifier.engine.engine.sessions.peek(session_id)
+        target_session = verifier.scheduler.engine.sessions.peek(session_id)
         with draft._lock:
             speculator = draft.sessions.peek(session_id)
             if speculator is None or target_session is None or running[0]:
@@ -148,7 +151,8 @@ async def drafts_settle_before_each_verify(cluster: Cluster, ceiling_s: float = 
             # Nothing left to draft: k = 0, or the block in flight is out and every pre-draft planned for it is drafted.
             return speculator.k <= 0 or (speculator._in_flight is not None and not speculator._plan)
 
-    async def verify(session_id, proposal):
+    async def step(plan, ticket):
+        session_id = plan.run.spec.session_id
         deadline = loop.time() + ceiling_s
         while True:
             job_done.clear()
@@ -161,15 +165,15 @@ async def drafts_settle_before_each_verify(cluster: Cluster, ceiling_s: float = 
                 await asyncio.wait_for(job_done.wait(), 0.005)
             except asyncio.TimeoutError:
                 pass
-        return await real_verify(session_id, proposal)
+        return await real_step(plan, ticket)
 
     draft._next_job = next_job
-    verifier.engine.verify = verify
+    verifier.scheduler.step = step
     verifier.config = replace(real_config, draft_wait_s=ceiling_s)
     try:
         yield late
     finally:
-        del draft._next_job, verifier.engine.verify  # back to the classes' own methods
+        del draft._next_job, verifier.scheduler.step  # back to the classes' own methods
         verifier.config = real_config
 
 

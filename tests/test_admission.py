@@ -220,10 +220,11 @@ async def test_over_the_kv_budget_a_new_session_waits_for_room_instead_of_failin
     from specdec.core.errors import Overloaded
     from specdec.core.sampling import SamplingParams
     from specdec.core.steps import SessionSpec
-    from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
+    from specdec.target.engine import TargetConfig, VerifierEngine
+    from specdec.target.scheduler import VerifierScheduler
 
     # kv_wait_s long, so "still waiting" below cannot turn into "gave up" on a slow machine.
-    engine = AsyncVerifierEngine(VerifierEngine.from_config(TargetConfig(tiny_pair[0], max_kv_tokens=100, kv_wait_s=120.0)))
+    engine = VerifierScheduler(VerifierEngine.from_config(TargetConfig(tiny_pair[0], max_kv_tokens=100, kv_wait_s=120.0)))
     spec = lambda: SessionSpec(secrets.token_hex(16), (1, 2, 3, 4), SamplingParams(seed=1), "ngram")  # noqa: E731
     first = spec()
     await engine.open(first, max_new_tokens=60)  # 64 of 100

@@ -28,7 +28,8 @@ from specdec.draft.engine import DraftEngine
 from specdec.draft.ngram import NgramDrafter
 from specdec.orchestrator.loop import Orchestrator, TargetInfo, collect
 from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
-from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
+from specdec.target.engine import TargetConfig, VerifierEngine
+from specdec.target.scheduler import VerifierScheduler
 from specdec.target.loop import LoopConfig
 from specdec.target.worker import LocalVerifier
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, generation_pb2 as pb, verifier_pb2, verifier_pb2_grpc
@@ -507,7 +508,7 @@ async def test_bad_blocks_do_not_fail_the_request(tiny_pair, verifier_engine, pr
     target_path, _ = tiny_pair
     loaded = verifier_engine.loaded
     made: list[FakeBadDrafterLink] = []
-    engine = AsyncVerifierEngine(verifier_engine)  # its own thread, as in a verifier server
+    engine = VerifierScheduler(verifier_engine)  # its own thread, as in a verifier server
     verifier = LocalVerifier(engine, lambda run: FakeBadDrafterLink(proposal, made),
                              LoopConfig(reconnect_s=0.0))  # reconnect at once: every new link is refused again
     info = TargetInfo(loaded.tokenizer, loaded.vocab_size, loaded.context_length, loaded.eos_token_id)

@@ -18,7 +18,8 @@ from specdec.core.sampling import SamplingParams, VerificationRule
 from specdec.core.steps import DraftProposal, SessionSpec, StepOutcome
 from specdec.draft.drafters import DraftConfig
 from specdec.draft.engine import DraftEngine
-from specdec.target.engine import AsyncVerifierEngine, KVBudgetFull, TargetConfig, VerifierEngine
+from specdec.target.engine import KVBudgetFull, TargetConfig, VerifierEngine
+from specdec.target.scheduler import VerifierScheduler
 from specdec.v1 import common_pb2, generation_pb2 as pb
 
 from test_e2e import prompts, reference_greedy, request
@@ -96,7 +97,7 @@ def test_a_sampled_session_gets_the_same_tokens_alone_and_in_a_batch(engine, rul
 async def test_steps_that_wait_together_are_verified_in_one_forward(tiny_pair):
     """Four sessions' steps queued before the batcher runs (one event-loop turn: no timing in it)
     go in one target forward, each with the tokens it gets alone."""
-    verifier = AsyncVerifierEngine(VerifierEngine.from_config(TargetConfig(tiny_pair[0])))
+    verifier = VerifierScheduler(VerifierEngine.from_config(TargetConfig(tiny_pair[0])))
     ids = [secrets.token_hex(16) for _ in range(4)]
     for i, sid in enumerate(ids):
         await verifier.open(SessionSpec(sid, tuple(range(3, 9 + 5 * i)), SamplingParams()), 8)
@@ -217,7 +218,7 @@ async def test_sessions_that_open_together_are_prefilled_in_one_forward(tiny_pai
     sizes = []
     real = engine.open_batch
     engine.open_batch = lambda opens: sizes.append(len(opens)) or real(opens)
-    verifier = AsyncVerifierEngine(engine)
+    verifier = VerifierScheduler(engine)
     ids = [secrets.token_hex(16) for _ in range(9)]
     opens = [asyncio.ensure_future(verifier.open(SessionSpec(sid, tuple(range(1, 5 + 3 * i)), SamplingParams()), 8))
              for i, sid in enumerate(ids)]

@@ -19,6 +19,7 @@ from specdec.orchestrator.remote import RemoteVerifyWorker
 from specdec.orchestrator.request import GenerationRequest
 from specdec.target.engine import TargetConfig
 
+from cluster import PATIENT
 from test_e2e import reference_greedy
 
 PROMPT = "def f():"
@@ -29,7 +30,11 @@ async def two_verifiers(cluster, tiny_pair):
     """Two fresh verifier servers (killing one must not touch the shared cluster) and an
     orchestrator over a pool of both, streaming drafts from the cluster's drafter."""
     target_path, _ = tiny_pair
-    started = [await roles.start_target(TargetConfig(target_path), cluster.worker_server()) for _ in range(2)]
+    # Patient for the drafter, as the shared cluster's verifier: a seeded run under the rejection rule
+    # gives its tokens for its speculation schedule, and a step that gave up on a late block (0.2 s on
+    # a busy machine) changed the schedule.
+    started = [await roles.start_target(TargetConfig(target_path), cluster.worker_server(), loop_config=PATIENT)
+               for _ in range(2)]
     pool = VerifierPool([server.address for server, _ in started], replica_maker(cluster), status_ttl_s=0.0)
     live = cluster.orchestrator
     orch = Orchestrator(live.target, pool, cluster.store, live.config, live.drafter_address)
@@ -71,7 +76,7 @@ async def run_killing_after(orch, started, req: GenerationRequest, chunks_before
     return ids, killed
 
 
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 31},
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 31, "rule": VerificationRule.COUPLED},
                                       {"temperature": 1.0, "seed": 31, "rule": VerificationRule.REJECTION}],
                          ids=["greedy", "coupled-seeded", "rejection-seeded-fixed-k"])
 async def test_a_verifier_dying_mid_stream_costs_only_a_pause(two_verifiers, tiny_pair, sampling):
@@ -118,7 +123,11 @@ def test_names_expand_to_every_address_and_ip_literals_to_themselves():
 async def test_replicas_that_appear_behind_a_name_get_sessions(cluster, tiny_pair):
     """A headless Service's name resolves to more pods after a scale-up: the pool follows it."""
     target_path, _ = tiny_pair
-    started = [await roles.start_target(TargetConfig(target_path), cluster.worker_server()) for _ in range(2)]
+    # Patient for the drafter, as the shared cluster's verifier: a seeded run under the rejection rule
+    # gives its tokens for its speculation schedule, and a step that gave up on a late block (0.2 s on
+    # a busy machine) changed the schedule.
+    started = [await roles.start_target(TargetConfig(target_path), cluster.worker_server(), loop_config=PATIENT)
+               for _ in range(2)]
     behind_the_name = [started[0][0].address]
     resolve = lambda name: [(a, "localhost") for a in behind_the_name]  # noqa: E731 (the name's A records, as DNS would say)
     pool = VerifierPool(["specdec-target:50053"], replica_maker(cluster), status_ttl_s=0.0, resolve_every_s=0.0,
@@ -148,7 +157,7 @@ async def test_the_replica_that_takes_over_reads_the_kv_prefix_from_redis(cluste
     # KV blocks are written by a task of their own, a moment after the step that filled them; the
     # session's new verifier starts only once every block offered so far is written, so what it
     # finds in Redis follows from the tokens, not from how far that task had got when the first died.
-    unwritten = [written_when_asked(verifier.engine.kv_store) for _, verifier in started]
+    unwritten = [written_when_asked(verifier.scheduler.kv_store) for _, verifier in started]
 
     async def blocks_written() -> None:
         loop = asyncio.get_running_loop()
@@ -166,7 +175,7 @@ async def test_the_replica_that_takes_over_reads_the_kv_prefix_from_redis(cluste
         ids, killed = await run_killing_after(orch, started, req, chunks_before_kill=20)
         assert killed is not None and pool.failovers == 1
         assert tuple(ids) == reference_greedy(target_path, PROMPT, 150)
-        survivor = started[1 - killed][1].engine
+        survivor = started[1 - killed][1].scheduler
         stored = survivor.kv_store
         assert stored.rejected == 0
         taken_over = survivor.engine.last_prefill_tokens
@@ -174,8 +183,8 @@ async def test_the_replica_that_takes_over_reads_the_kv_prefix_from_redis(cluste
     finally:
         for server, verifier in started:
             await server.stop(0)
-            if verifier.engine.kv_store is not None:
-                await verifier.engine.kv_store.aclose()
+            if verifier.scheduler.kv_store is not None:
+                await verifier.scheduler.kv_store.aclose()
         await pool.aclose()
 
 

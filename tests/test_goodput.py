@@ -68,9 +68,10 @@ def test_a_prefill_between_two_batches_is_not_a_decode_cycle(tiny_pair):
 
     from specdec.core.sampling import SamplingParams
     from specdec.core.steps import DraftProposal, SessionSpec
-    from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
+    from specdec.target.engine import TargetConfig, VerifierEngine
+    from specdec.target.scheduler import VerifierScheduler
 
-    engine = AsyncVerifierEngine(VerifierEngine.from_config(TargetConfig(tiny_pair[0])), threaded=False)
+    engine = VerifierScheduler(VerifierEngine.from_config(TargetConfig(tiny_pair[0])), threaded=False)
     gaps = []
     observe = engine.batch_costs.observe
     engine.batch_costs.observe = lambda *args, **kw: (gaps.append(args[3]), observe(*args, **kw))
@@ -87,22 +88,26 @@ def test_a_prefill_between_two_batches_is_not_a_decode_cycle(tiny_pair):
     assert gaps[0] is None and gaps[1] is not None and gaps[2] is None
 
 
-def test_alone_the_load_cap_leaves_k_to_the_request():
-    from types import SimpleNamespace
+def _plan(policy):
+    from specdec.core.sampling import SamplingParams
+    from specdec.core.speculation import SpeculationController
+    from specdec.core.steps import SessionRun, SessionSpec
+    from specdec.target.scheduler import SessionPlan
 
+    return SessionPlan(SessionRun(SessionSpec("s", (1, 2, 3), SamplingParams()), "", 64, policy), SpeculationController(policy))
+
+
+def test_alone_the_load_cap_leaves_k_to_the_request():
+    from specdec.core.goodput import LoadRegimes
     from specdec.core.speculation import SpeculationMode, SpeculationPolicy
-    from specdec.target.loop import VerifierLoop
+    from specdec.target.scheduler import VerifierScheduler, _BatchPrice
 
     # A fitted draft-token cost that makes any draft look dear to a batch (price 2 tokens).
-    costs = SimpleNamespace(per_row_s=0.001, draft_per_token_s=0.001, draft_token_cost_s=0.01, goodput_tokens_per_s=200.0)
-    run = SimpleNamespace(policy=SpeculationPolicy(SpeculationMode.ADAPTIVE, 4, 8), spec=SimpleNamespace(prompt_ids=(1, 2, 3)))
-
-    def loop(sessions: int) -> VerifierLoop:
-        engine = SimpleNamespace(batch_costs=costs, open_sessions=sessions, shares_model_thread=False)
-        return VerifierLoop(engine, run, lambda run: None, 512)
-
-    assert loop(1)._next_k() == 4  # its own k: its step-time model already weighed what a draft costs it
-    assert loop(8)._next_k() == 0  # in company, a draft token must pay for the whole batch
+    price = _BatchPrice(per_row_s=0.001, draft_per_token_s=0.001, fitted_draft_token_s=0.01, goodput_tokens_per_s=200.0)
+    plan = _plan(SpeculationPolicy(SpeculationMode.ADAPTIVE, 4, 8))
+    # Alone: its own k, its step-time model already weighed what a draft costs it.
+    assert VerifierScheduler._next_k(plan, 1, LoadRegimes.CAPPED, price) == 4
+    assert VerifierScheduler._next_k(plan, 8, LoadRegimes.CAPPED, price) == 0  # in company, a draft token must pay for the whole batch
 
 
 def test_a_fault_in_the_batch_bookkeeping_costs_no_session_its_step(tiny_pair):
@@ -113,9 +118,10 @@ def test_a_fault_in_the_batch_bookkeeping_costs_no_session_its_step(tiny_pair):
 
     from specdec.core.sampling import SamplingParams
     from specdec.core.steps import DraftProposal, SessionSpec
-    from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
+    from specdec.target.engine import TargetConfig, VerifierEngine
+    from specdec.target.scheduler import VerifierScheduler
 
-    engine = AsyncVerifierEngine(VerifierEngine.from_config(TargetConfig(tiny_pair[0])), threaded=False)
+    engine = VerifierScheduler(VerifierEngine.from_config(TargetConfig(tiny_pair[0])), threaded=False)
     faults = []
 
     def broken(*args, **kw):
@@ -235,22 +241,15 @@ def test_one_way_alone_is_never_left():
 
 
 def test_in_company_an_adaptive_request_takes_the_way_measured_best():
-    from types import SimpleNamespace
-
     from specdec.core.goodput import LoadRegimes
     from specdec.core.speculation import SpeculationMode, SpeculationPolicy
-    from specdec.target.loop import VerifierLoop
+    from specdec.target.scheduler import VerifierScheduler, _BatchPrice
 
     # Costs that cap any draft to 0 (price 2 tokens).
-    costs = SimpleNamespace(per_row_s=0.001, draft_per_token_s=0.001, draft_token_cost_s=0.01, goodput_tokens_per_s=200.0)
-    regimes = LoadRegimes()
+    price = _BatchPrice(per_row_s=0.001, draft_per_token_s=0.001, fitted_draft_token_s=0.01, goodput_tokens_per_s=200.0)
 
-    def k(max_k: int) -> int:
-        engine = SimpleNamespace(batch_costs=costs, open_sessions=4, shares_model_thread=True, load_regimes=regimes)
-        run = SimpleNamespace(policy=SpeculationPolicy(SpeculationMode.ADAPTIVE, 1, max_k), spec=SimpleNamespace(prompt_ids=(1, 2, 3)))
-        return VerifierLoop(engine, run, lambda run: None, 512)._next_k()
+    def k(max_k: int, regime) -> int:
+        return VerifierScheduler._next_k(_plan(SpeculationPolicy(SpeculationMode.ADAPTIVE, 1, max_k)), 4, regime, price)
 
-    regimes.current = LoadRegimes.CAPPED
-    assert k(8) == 0
-    regimes.current = 2
-    assert k(8) == 2 and k(1) == 1  # never past the request's own maximum
+    assert k(8, LoadRegimes.CAPPED) == 0
+    assert k(8, 2) == 2 and k(1, 2) == 1  # never past the request's own maximum

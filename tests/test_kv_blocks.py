@@ -13,7 +13,8 @@ from specdec.core.kv_blocks import BlockLayout, CorruptBlock, decode_block, enco
 from specdec.core.redis_kv import RedisKVStore
 from specdec.core.sampling import SamplingParams
 from specdec.core.steps import DraftProposal, SessionSpec
-from specdec.target.engine import AsyncVerifierEngine, TargetConfig, VerifierEngine
+from specdec.target.engine import TargetConfig, VerifierEngine
+from specdec.target.scheduler import VerifierScheduler
 
 from redis_server import delete_prefix
 
@@ -77,11 +78,11 @@ async def stores(redis_url, redis_prefix, tiny_pair):
     """A factory of verifier engines over one Redis key space, as replicas of one pool."""
     made = []
 
-    def make(**store_kw) -> AsyncVerifierEngine:
+    def make(**store_kw) -> VerifierScheduler:
         engine = VerifierEngine.from_config(TargetConfig(tiny_pair[0], kv_block_tokens=B))
         store = RedisKVStore.from_url(redis_url, engine.layout, prefix=redis_prefix, **store_kw)
         made.append(store)
-        return AsyncVerifierEngine(engine, threaded=False, kv_store=store)
+        return VerifierScheduler(engine, threaded=False, kv_store=store)
 
     yield make
     for store in made:
@@ -89,7 +90,7 @@ async def stores(redis_url, redis_prefix, tiny_pair):
     delete_prefix(redis_url, redis_prefix)
 
 
-async def _steps(engine: AsyncVerifierEngine, sid: str, n: int) -> list[tuple[int, ...]]:
+async def _steps(engine: VerifierScheduler, sid: str, n: int) -> list[tuple[int, ...]]:
     out = []
     for i in range(n):
         out.append((await engine.verify(sid, DraftProposal((5 + i % 3, 9)))).token_ids)

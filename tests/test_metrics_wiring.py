@@ -71,7 +71,7 @@ async def test_kv_bytes_follow_an_open_session(measured):
     target = measured.registries["target"]
     call = measured.stub.GenerateStream(pb.GenerateRequest(text="def f():", max_new_tokens=200, drafter="ngram"), timeout=60)
     await call.read()
-    per_token = measured.target.engine.engine.kv_bytes_per_token
+    per_token = measured.target.scheduler.engine.kv_bytes_per_token
     held = value(target, m.WORKER_KV_BYTES, role="target")
     assert held > 0 and held % per_token == 0  # whole tokens of K and V for every layer
     assert value(target, m.WORKER_SESSIONS, role="target") == 1

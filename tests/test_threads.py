@@ -145,7 +145,7 @@ def test_one_process_runs_the_verifiers_model_work_on_the_draft_thread(tiny_pair
 
     target, draft = tiny_pair
     orch = roles.embedded(TargetConfig(target), DraftConfig(draft, target), OrchestratorConfig())
-    engine = orch.verifier.engine
+    engine = orch.verifier.scheduler
     names = []
     verify_batch = engine.engine.verify_batch
 
@@ -159,22 +159,22 @@ def test_one_process_runs_the_verifiers_model_work_on_the_draft_thread(tiny_pair
     assert engine.threads is not None
     assert any(engine.threads.seconds(rows, 1) is not None for rows in (1, 2, 4, 8, 16, 32))  # counts are measured
     fixed = roles.embedded(TargetConfig(target, threads=1), DraftConfig(draft, target, threads=1), OrchestratorConfig())
-    assert fixed.verifier.engine.threads is None  # a fixed count is left as it is
+    assert fixed.verifier.scheduler.threads is None  # a fixed count is left as it is
 
 
 def test_on_a_shared_model_thread_an_adaptive_request_does_not_draft_ahead():
     """Nothing can draft while the shared thread runs a forward: an adaptive request there runs
     sequential steps only; a fixed policy keeps the overlap it asked for, and so does any request
     whose verifier has a model thread of its own."""
-    from types import SimpleNamespace
+    from concurrent.futures import ThreadPoolExecutor
 
     from specdec.core.speculation import SpeculationMode, SpeculationPolicy
-    from specdec.target.loop import VerifierLoop
+    from specdec.target.scheduler import VerifierScheduler
+    from fake_engine import FakeEngine
 
     def overlap(shared: bool, policy: SpeculationPolicy) -> bool:
-        engine = SimpleNamespace(shares_model_thread=shared)
-        run = SimpleNamespace(policy=policy, spec=SimpleNamespace(prompt_ids=(1, 2, 3)))
-        return VerifierLoop(engine, run, lambda run: None, 512).controller.next_overlap()
+        scheduler = VerifierScheduler(FakeEngine(), executor=ThreadPoolExecutor(1) if shared else None, threaded=False)
+        return scheduler.admit(_run(policy)).controller.next_overlap()
 
     adaptive = SpeculationPolicy(SpeculationMode.ADAPTIVE, 4, 8)
     assert overlap(True, adaptive) is False
@@ -182,27 +182,34 @@ def test_on_a_shared_model_thread_an_adaptive_request_does_not_draft_ahead():
     assert overlap(True, SpeculationPolicy(SpeculationMode.FIXED, 3)) is True
 
 
+def _run(policy, session_id: str = "0" * 32):
+    from specdec.core.sampling import SamplingParams
+    from specdec.core.steps import SessionRun, SessionSpec
+
+    return SessionRun(SessionSpec(session_id, (1, 2, 3), SamplingParams()), "", 64, policy)
+
+
 def test_on_a_shared_model_thread_in_company_a_fixed_request_does_not_draft_ahead():
-    """What the drafter is told: a fixed-k request drafts ahead on a model thread it shares with
-    the verifier only while its session is the only one open (in company that thread is never idle,
-    and drafts ahead delay the others' forwards); with a drafter of its own it always may."""
-    from types import SimpleNamespace
+    """What the scheduler tells the drafter: a fixed-k request drafts ahead on a model thread it
+    shares with the verifier only while its session is the only one open (in company that thread is
+    never idle, and drafts ahead delay the others' forwards); with a drafter of its own it always may."""
+    from concurrent.futures import ThreadPoolExecutor
 
+    from specdec.core.sampling import SamplingParams
     from specdec.core.speculation import SpeculationMode, SpeculationPolicy
-    from specdec.target.loop import VerifierLoop
-
-    sent = []
+    from specdec.core.steps import SessionSpec
+    from specdec.target.scheduler import VerifierScheduler
+    from fake_engine import FakeEngine
 
     def told(shared: bool, sessions: int) -> bool:
-        engine = SimpleNamespace(shares_model_thread=shared, open_sessions=sessions)
-        run = SimpleNamespace(policy=SpeculationPolicy(SpeculationMode.FIXED, 3), spec=SimpleNamespace(prompt_ids=(1, 2, 3)))
-        loop = VerifierLoop(engine, run, lambda run: None, 512)
-        loop.link = SimpleNamespace(up=True, send=sent.append)
-        loop.state.k = 3
-        loop._tell_drafter((7,))
-        outcome = sent[-1]
-        assert (outcome.committed_len, outcome.token_ids, outcome.num_speculative_tokens) == (3, (7,), 3)
-        return outcome.overlap
+        engine = FakeEngine()
+        engine.open_batch([(SessionSpec(f"{i:032x}", (1, 2, 3), SamplingParams()), 8, ()) for i in range(sessions)])
+        scheduler = VerifierScheduler(engine, executor=ThreadPoolExecutor(1) if shared else None, threaded=False)
+        plan = scheduler.admit(_run(SpeculationPolicy(SpeculationMode.FIXED, 3)))
+        plan.state = engine.sessions.peek("0" * 32)
+        scheduler._decide([plan])
+        assert plan.k == 3
+        return plan.overlap
 
     assert told(shared=True, sessions=1) is True
     assert told(shared=True, sessions=2) is False

@@ -1,38 +1,28 @@
-"""The verifier's core: the target model, one KV cache per session, the rejection rule. No gRPC here."""
+"""The verifier's model work: the target, one KV cache per session, one step over a whole batch.
+
+Synchronous and single-threaded: the scheduler (services/target/scheduler.py) is its only caller
+and runs it on the model thread. A step is one forward over a flat ragged batch and one call of the
+verification rules over all of it (core/batch_rules.py). No gRPC here.
+"""
 from __future__ import annotations
 
-import asyncio
-import collections
-import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from specdec.core import rng
+from specdec.core.batch_rules import RuleStep, decide_batch
 from specdec.core.errors import InvalidRequest, Overloaded, SessionAlreadyOpen, SpecdecError
-from specdec.core.goodput import BatchCostModel, LoadRegimes
-from specdec.core.kv import KVSequence, common_prefix_len, logits_for_batch, shared_prefixes
+from specdec.core.kv import shared_prefixes
 from specdec.core.kv_blocks import BlockLayout, encode_block, model_fingerprint
 from specdec.core.llama_decode import NUMERICS, PACK_ROWS, LlamaDecoder, supports
 from specdec.core.models import LoadedModel, load_causal_lm, resolve_dtype
-from specdec.core.coupled import coupled_verify_one, processed_logprobs
-from specdec.core.noise import gumbel_noise
-from specdec.core.runner import runner_for
-from specdec.core.rejection import greedy_verify, rejection_sample
-from specdec.core.sampling import SamplingParams, probs_from_logits
+from specdec.core.runner import Feed, runner_for
+from specdec.core.sampling import SamplingParams
 from specdec.core.session_table import SessionTable
 from specdec.core.steps import MAX_PREFILL_TOKENS, DraftProposal, SessionSpec, VerifyOutcome, WorkerInfo, check_room, dense_draft_probs, validate_prompt
-from specdec.core.threads import ThreadChooser
 
-if TYPE_CHECKING:
-    from specdec.core.offload import Submits
-    from specdec.metrics import VerifierMetrics
-
-R = TypeVar("R")
-log = logging.getLogger(__name__)
 # Opens of one prefill batch whose prompts share at least this many leading tokens compute them once.
 MIN_SHARED_PREFIX = 16
 
@@ -69,9 +59,9 @@ class TargetConfig:
     kv_prefix: str = "specdec"  # the key prefix, as the session store's
     # Redis memory per session is capped: positions past this are not kept (a resume recomputes them).
     kv_redis_max_tokens: int = 4096
-    # Sessions whose steps came back together re-submit a moment apart (each passes through the event
-    # loop): wait this long at most for every open session to be ready, so a batch is not split in
-    # two halves that alternate. One session alone never waits (it is all the open sessions).
+    # Sessions whose steps came back together re-submit a moment apart (their blocks come back from
+    # their drafters): the scheduler holds a batch this long at most for the sessions still on their
+    # way, so a batch is not split in two halves that alternate. One session alone never waits.
     batch_wait_s: float = 0.003
     # Opens that arrive while a prefill runs are prefilled together, up to this many prompt tokens per forward.
     max_prefill_tokens: int = MAX_PREFILL_TOKENS
@@ -86,12 +76,25 @@ class KVBudgetFull(Overloaded):
 
 
 @dataclass
-class _Session:
-    kv: KVSequence
+class SessionState:
+    """One session at the verifier: its tokens and its KV cache. The only copy of its committed
+    tokens in this process (the loop and the scheduler read this list, the step extends it)."""
+
     committed: list[int]
+    cache: object  # the runner's cache (core/runner.py)
     sampling: SamplingParams
     reserved_tokens: int  # of the worker's KV budget, held until the session closes
+    # Positions of the cache that hold committed tokens' keys and values. Past them lie the keys of
+    # rejected drafts, which the next feed overwrites: rollback is this number going down.
+    valid_len: int = 0
     blocks_written: int = 0  # full KV blocks handed to the store so far
+
+    def feed(self, num_draft: int, draft_ids: Sequence[int] = ()) -> Feed:
+        """The feed of one verification: the committed tokens the cache lacks (at least the last
+        one, whose logits judge the first draft), then the drafts; logits for the last k + 1."""
+        n = len(self.committed)
+        start = min(self.valid_len, n - 1)
+        return Feed(self.cache, start, self.committed[start:] + list(draft_ids), num_draft + 1)
 
 
 class VerifierEngine:
@@ -100,7 +103,7 @@ class VerifierEngine:
     def __init__(self, loaded: LoadedModel, config: TargetConfig) -> None:
         self.loaded = loaded
         self.config = config
-        self.sessions: SessionTable[_Session] = SessionTable(config.max_sessions, config.idle_timeout_s)
+        self.sessions: SessionTable[SessionState] = SessionTable(config.max_sessions, config.idle_timeout_s)
         fast = config.fast_forward and supports(loaded.model)
         if config.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {config.numerics!r}")
@@ -153,10 +156,10 @@ class VerifierEngine:
                 results[i] = exc
                 continue
             reserving += reserve
-            session = _Session(KVSequence(self.loaded.model, self.decoder, self.runner), list(spec.prompt_ids), spec.sampling, reserve)
+            session = SessionState(list(spec.prompt_ids), self.runner.new_cache(), spec.sampling, reserve)
             if stored:
-                n = len(stored) * self.layout.block_tokens
-                session.kv.load_prefix(spec.prompt_ids[:n], torch.cat(list(stored), dim=3))
+                session.valid_len = len(stored) * self.layout.block_tokens
+                self.decoder.write_prefix(session.cache, torch.cat(list(stored), dim=3))
                 session.blocks_written = len(stored)
             ready.append((i, spec.session_id, session, spec.prompt_ids))
         # Prefill all but the last prompt token's successor: the first Verify feeds only drafts.
@@ -164,15 +167,16 @@ class VerifierEngine:
         # they share once: the first in one forward, the others copy its keys and values and feed
         # only the rest in a second.
         copies = shared_prefixes([prompt for _, _, _, prompt in ready], MIN_SHARED_PREFIX,
-                                 [self.decoder is not None and session.kv.cached_len == 0 for _, _, session, _ in ready])
-        leaders = [(session, prompt) for (_, _, session, prompt), copy in zip(ready, copies) if copy is None]
-        followers = [(session, prompt, ready[copy[0]][2], copy[1]) for (_, _, session, prompt), copy in zip(ready, copies) if copy]
-        self.last_prefill_tokens = (sum(len(prompt) - session.kv.cached_len for session, prompt in leaders)
-                                    + sum(len(prompt) - shared for session, prompt, _, shared in followers))
-        logits_for_batch([(session.kv, prompt, 1) for session, prompt in leaders])
-        for session, prompt, leader, shared in followers:
-            session.kv.load_prefix(prompt[:shared], leader.kv.decode_cache.buf[:, :, :, :shared])
-        logits_for_batch([(session.kv, prompt, 1) for session, prompt, _, _ in followers])
+                                 [self.decoder is not None and session.valid_len == 0 for _, _, session, _ in ready])
+        leaders = [session for (_, _, session, _), copy in zip(ready, copies) if copy is None]
+        followers = [(session, ready[copy[0]][2], copy[1]) for (_, _, session, _), copy in zip(ready, copies) if copy]
+        self.last_prefill_tokens = (sum(len(s.committed) - s.valid_len for s in leaders)
+                                    + sum(len(s.committed) - shared for s, _, shared in followers))
+        self._prefill(leaders)
+        for session, leader, shared in followers:
+            self.decoder.write_prefix(session.cache, leader.cache.buf[:, :, :, :shared])
+            session.valid_len = shared
+        self._prefill([session for session, _, _ in followers])
         elapsed = time.perf_counter_ns() - t0  # each open waited for the whole prefill
         for i, session_id, session, _ in ready:
             self.sessions.add(session_id, session)
@@ -186,8 +190,23 @@ class VerifierEngine:
             raise result
         return result
 
+    def _prefill(self, sessions: Sequence[SessionState]) -> None:
+        """Feed each session's prompt past what its cache holds, in one forward (logits of the last row only)."""
+        if not sessions:
+            return
+        feeds = []
+        for s in sessions:
+            start = min(s.valid_len, len(s.committed) - 1)
+            self.runner.truncate(s.cache, start)
+            feeds.append(Feed(s.cache, start, s.committed[start:], 1))
+        with torch.inference_mode():
+            self.runner.forward(feeds)
+        for s in sessions:
+            s.valid_len = len(s.committed)
+
     def verify_batch(self, steps: Sequence[tuple[str, DraftProposal]]) -> list[VerifyOutcome | SpecdecError]:
-        """One verification step for each (session, proposal), all in one target forward.
+        """One verification step for each (session, proposal): one target forward over the flat
+        ragged batch, then the rules once over all of it.
 
         Proposals are ragged (each session its own k, 0 included). A step that is refused gets its
         error in its place and changes nothing; the others go on. Every session's tokens follow
@@ -195,7 +214,7 @@ class VerifierEngine:
         """
         t0 = time.perf_counter_ns()
         results: list[VerifyOutcome | SpecdecError | None] = [None] * len(steps)
-        checked = []  # (index, session, proposal, committed length, draft probs)
+        checked = []  # (index, session, rule step)
         seen: set[str] = set()
         for i, (session_id, proposal) in enumerate(steps):
             try:  # validate everything before touching the session: a refused step leaves it as it was
@@ -209,13 +228,20 @@ class VerifierEngine:
                 results[i] = exc
                 continue
             seen.add(session_id)
-            checked.append((i, s, proposal, n, draft_probs))
-        all_logits = logits_for_batch([(s.kv, s.committed + list(p.token_ids), len(p.token_ids) + 1)
-                                       for _, s, p, _, _ in checked])  # each [k+1, vocab]
-        for (i, s, proposal, n, draft_probs), logits in zip(checked, all_logits):
-            tokens, accepted = self._decide(s, n, proposal, draft_probs, logits)
-            s.committed.extend(tokens)
-            results[i] = (tokens, accepted, len(s.committed))
+            checked.append((i, s, RuleStep(proposal.token_ids, draft_probs, s.sampling, n)))
+        if checked:
+            feeds = []
+            for _, s, step in checked:
+                feed = s.feed(len(step.draft_ids), step.draft_ids)
+                self.runner.truncate(s.cache, feed.start)
+                feeds.append(feed)
+            with torch.inference_mode():
+                logits = torch.cat(self.runner.forward(feeds))  # [sum(k + 1), vocab], each step's rows in order
+            decisions = decide_batch(logits, [step for _, _, step in checked])
+            for (i, s, step), (tokens, accepted) in zip(checked, decisions):
+                s.valid_len = step.position + accepted  # the accepted drafts' keys are the committed tokens'
+                s.committed.extend(tokens)
+                results[i] = (tokens, accepted, len(s.committed))
         elapsed = time.perf_counter_ns() - t0  # each step waited for the whole batch
         return [VerifyOutcome(*r, elapsed) if isinstance(r, tuple) else r for r in results]
 
@@ -230,49 +256,21 @@ class VerifierEngine:
             s = self.sessions.peek(session_id)
             if s is None:
                 continue
-            # Valid keys and values: the cached positions that are still the committed tokens. The
-            # blocks written are valid already, so compare only past them (a block and a step, not
-            # the whole sequence, per step).
-            done = s.blocks_written * b
-            valid = done + common_prefix_len(s.kv.cached_ids[done:], s.committed[done:])
-            full = valid // b
+            full = s.valid_len // b
             if full > s.blocks_written:
-                buf = s.kv.decode_cache.buf
+                buf = s.cache.buf
                 blocks = [(i, encode_block(self.layout, i * b, s.committed, buf[:, :, :, i * b:(i + 1) * b]))
                           for i in range(s.blocks_written, full)]
                 s.blocks_written = full
                 out.append((session_id, blocks))
         return out
 
-    def _decide(self, s: _Session, n: int, proposal: DraftProposal, draft_probs: torch.Tensor | None,
-                logits: torch.Tensor) -> tuple[tuple[int, ...], int]:
-        """The session's rule over its own logits [k+1, vocab]: greedy, coupled or rejection."""
-        k = len(proposal.token_ids)
-        if s.sampling.greedy:
-            return greedy_verify(proposal.token_ids, logits)
-        if s.sampling.coupled:
-            noise = gumbel_noise(s.sampling.seed, range(n, n + k + 1), logits.shape[-1])  # [k+1, vocab]
-            return coupled_verify_one(proposal.token_ids, processed_logprobs(logits, s.sampling), noise)
-        return self._sample(s, n, proposal, draft_probs, logits)
-
-    @staticmethod
-    def _sample(s: _Session, n: int, proposal: DraftProposal, draft_probs: torch.Tensor | None,
-                logits: torch.Tensor) -> tuple[tuple[int, ...], int]:
-        k = len(proposal.token_ids)
-        target_probs = probs_from_logits(logits, s.sampling)  # [k+1, vocab]
-        seed = s.sampling.seed
-        output, num_accepted = rejection_sample(
-            draft_token_ids=torch.tensor([proposal.token_ids], dtype=torch.long).reshape(1, k),  # [1, k]
-            draft_probs=None if draft_probs is None else draft_probs[None],  # [1, k, vocab]
-            target_probs=target_probs[None],  # [1, k+1, vocab]
-            accept_uniforms=rng.uniforms(seed, rng.Stream.ACCEPT, range(n, n + k))[None],  # [1, k]
-            sample_uniforms=rng.uniforms(seed, rng.Stream.TARGET_SAMPLE, range(n, n + k + 1))[None],  # [1, k+1]
-        )
-        accepted = int(num_accepted[0])
-        return tuple(int(t) for t in output[0, : accepted + 1]), accepted
-
     def close(self, session_id: str) -> bool:
-        return self.sessions.pop(session_id) is not None
+        session = self.sessions.pop(session_id)
+        if session is None:
+            return False
+        self.runner.free(session.cache)  # its KV slot is reused now, not when the garbage collector gets to it
+        return True
 
     @property
     def kv_budget_tokens(self) -> int:
@@ -314,211 +312,3 @@ class VerifierEngine:
     def status(self) -> WorkerInfo:
         self.sessions.reap_idle()
         return WorkerInfo(len(self.sessions), self.loaded.path, self.loaded.vocab_size, self.loaded.context_length)
-
-
-class AsyncVerifierEngine:
-    """A VerifierEngine on its own thread (or inline), awaitable from the event loop.
-
-    Verify steps are batched: every step that arrives while a batch runs on the thread joins the
-    next one (FIFO, up to ``max_batch_sessions``), so under load one target forward serves many
-    sessions and nobody waits longer than the batch ahead of it.
-    """
-
-    def __init__(self, engine: VerifierEngine, threaded: bool = True, metrics: "VerifierMetrics | None" = None,
-                 kv_store=None, executor: "Submits | None" = None, threads: ThreadChooser | None = None) -> None:
-        """``kv_store``: a core.redis_kv.RedisKVStore for the sessions' KV blocks (None: not kept).
-        ``executor``: where the model work runs (None: a thread of its own). ``threads``: choose each
-        forward's torch thread count by measurement (core/threads.py; None: leave it as loaded)."""
-        from specdec.core.offload import Offload
-
-        self.engine = engine
-        self.kv_store = kv_store
-        self._run = Offload("verify", threaded, executor)
-        # Model work on a thread shared with the drafter (one process): nothing drafts while a
-        # forward runs, so drafting ahead cannot overlap verification here.
-        self.shares_model_thread = executor is not None
-        self.threads = threads
-        self._waiting: collections.deque[tuple[str, DraftProposal, asyncio.Future]] = collections.deque()
-        self._batcher: asyncio.Task | None = None
-        self._opens: collections.deque[tuple[SessionSpec, int | None, Sequence[torch.Tensor], asyncio.Future]] = collections.deque()
-        self._prefiller: asyncio.Task | None = None
-        self._arrived = asyncio.Event()
-        self._freed = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None  # set by verify(): where the KV writer runs
-        self.batch_sizes: collections.Counter[int] = collections.Counter()  # sessions per forward, for benchmarks
-        self.batch_costs = BatchCostModel()  # what a verified row costs under the load now (core/goodput.py)
-        self.load_regimes = LoadRegimes()  # under load: adaptive k capped by that model, or a fixed k, as measured
-        self._last_batch_end: float | None = None
-        self.metrics = metrics
-        if metrics is not None:
-            metrics.watch(sessions=lambda: len(engine.sessions), kv_bytes=engine.kv_bytes_held,
-                          queued_steps=lambda: len(self._waiting) + self._run.pending)
-
-    async def open(self, spec: SessionSpec, max_new_tokens: int | None = None) -> int:
-        """Open (prefill) a session. Over the KV budget, wait (up to ``kv_wait_s``) for sessions to
-        close rather than fail: the budget is what this worker holds, not a reason to turn work away."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.engine.config.kv_wait_s
-        stored = await self.kv_store.load(spec.session_id, spec.prompt_ids) if self.kv_store is not None else []
-        closing_wait = loop.time() + 2.0
-        while True:
-            try:
-                opened = await self._prefill(spec, max_new_tokens, stored)
-                # The gap before the next batch holds this prefill (and a client's turnaround), not
-                # decoding: it is no cycle for the cost model (counted, it made draft tokens look far
-                # dearer than they are: docs/performance.md, 8).
-                self._last_batch_end = None
-                return opened
-            except SessionAlreadyOpen:
-                # A session resumed here while its earlier stream is still being torn down (its
-                # orchestrator died a moment ago): that one closes within moments; then this opens.
-                if loop.time() >= closing_wait:
-                    raise
-                self._freed.clear()
-                try:
-                    await asyncio.wait_for(self._freed.wait(), closing_wait - loop.time())
-                except asyncio.TimeoutError:
-                    pass
-            except KVBudgetFull as exc:
-                left = deadline - loop.time()
-                if not exc.ever_fits or left <= 0:
-                    raise
-                self._freed.clear()
-                try:
-                    await asyncio.wait_for(self._freed.wait(), left)
-                except asyncio.TimeoutError:
-                    pass  # one last try, then the error says why
-
-    async def _prefill(self, spec: SessionSpec, max_new_tokens: int | None, stored: Sequence[torch.Tensor]) -> int:
-        """Queue the open for the next prefill batch: the opens that arrive while one prefill runs
-        go together in the next (64 clients at once: 2 forwards, not 64)."""
-        done = asyncio.get_running_loop().create_future()
-        self._opens.append((spec, max_new_tokens, stored, done))
-        if self._prefiller is None or self._prefiller.done():
-            self._prefiller = asyncio.ensure_future(self._prefills())
-        return await done
-
-    async def _prefills(self) -> None:
-        budget = self.engine.config.max_prefill_tokens
-        while self._opens:
-            batch, tokens = [], 0
-            while self._opens and (not batch or tokens + len(self._opens[0][0].prompt_ids) <= budget):
-                item = self._opens.popleft()
-                if not item[3].done():  # an open whose request was cancelled while it waited
-                    batch.append(item)
-                    tokens += len(item[0].prompt_ids)
-            if not batch:
-                continue
-            try:
-                results = await self._run(self._timed, tokens, self.engine.open_batch, [item[:3] for item in batch])
-            except BaseException as exc:  # a bug in the forward, or shutdown: every open of the batch hears it
-                results = [exc] * len(batch)
-            # (An open cancelled during its prefill is closed by its loop's release, queued behind it.)
-            for item, result in zip(batch, results):
-                done = item[3]
-                if not done.done():
-                    done.set_exception(result) if isinstance(result, BaseException) else done.set_result(result)
-            if any(isinstance(r, asyncio.CancelledError) for r in results):
-                raise asyncio.CancelledError
-
-    async def verify(self, session_id: str, proposal: DraftProposal) -> VerifyOutcome:
-        self._loop = asyncio.get_running_loop()
-        done = self._loop.create_future()
-        self._waiting.append((session_id, proposal, done))
-        self._arrived.set()
-        if self._batcher is None or self._batcher.done():
-            self._batcher = asyncio.ensure_future(self._batches())
-        return await done
-
-    async def _gather(self, limit: int) -> None:
-        """Wait (bounded by batch_wait_s) until every open session has a step waiting, or the batch is full."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.engine.config.batch_wait_s
-        while len(self._waiting) < min(limit, len(self.engine.sessions)):
-            left = deadline - loop.time()
-            if left <= 0:
-                return
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), left)
-            except asyncio.TimeoutError:
-                return
-
-    async def _batches(self) -> None:
-        limit = self.engine.config.max_batch_sessions
-        while self._waiting:
-            await self._gather(limit)
-            batch = []
-            while self._waiting and len(batch) < limit:
-                item = self._waiting.popleft()
-                if not item[2].done():  # a step whose session was cancelled while it waited
-                    batch.append(item)
-            if not batch:
-                continue
-            self.batch_sizes[len(batch)] += 1
-            started = time.perf_counter()
-            try:
-                results = await self._run(self._timed, sum(len(p.token_ids) + 1 for _, p, _ in batch), self._verify_batch,
-                                          [(sid, proposal) for sid, proposal, _ in batch])
-            except BaseException as exc:  # a bug in the forward, or shutdown: every step of the batch hears it
-                for _, _, done in batch:
-                    if not done.done():
-                        done.set_exception(exc)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                continue
-            ended = time.perf_counter()
-            # The steps' outcomes first: a fault in the bookkeeping below must cost no session its step.
-            for (_, _, done), result in zip(batch, results):
-                if not done.done():
-                    done.set_exception(result) if isinstance(result, BaseException) else done.set_result(result)
-            since = None if self._last_batch_end is None else ended - self._last_batch_end
-            self._last_batch_end = ended
-            committed = sum(len(r.token_ids) for r in results if isinstance(r, VerifyOutcome))
-            try:
-                self.batch_costs.observe(sum(len(p.token_ids) + 1 for _, p, _ in batch), ended - started, committed, since,
-                                         drafts=sum(len(p.token_ids) for _, p, _ in batch))
-                self.load_regimes.observe(len(self.engine.sessions), committed, ended)
-            except Exception:  # speed's bookkeeping, not output: log it and keep batching
-                log.exception("verify batch bookkeeping failed")
-
-    @property
-    def open_sessions(self) -> int:
-        return len(self.engine.sessions)
-
-    async def on_model_thread(self, fn: Callable[..., R], *args) -> R:
-        """``fn(*args)`` where this engine's model work runs (benchmarks: a baseline on the same thread)."""
-        return await self._run(fn, *args)
-
-    def _timed(self, rows: int, fn: Callable[..., R], *args) -> R:
-        """On the model thread: ``fn(*args)`` with the thread count chosen for ``rows`` rows, timed for the chooser."""
-        if self.threads is None:
-            return fn(*args)
-        count = self.threads.choose(rows)
-        torch.set_num_threads(count)
-        started = time.perf_counter()
-        result = fn(*args)
-        self.threads.observe(rows, count, time.perf_counter() - started)
-        return result
-
-    def _verify_batch(self, steps: list[tuple[str, DraftProposal]]) -> list[VerifyOutcome | SpecdecError]:
-        if self.metrics is None:
-            results = self.engine.verify_batch(steps)
-        else:
-            with self.metrics.busy():
-                results = self.engine.verify_batch(steps)
-        if self.kv_store is not None:  # encoded here, on the model's thread; written by the store's own task
-            due = self.engine.due_blocks([session_id for session_id, _ in steps])
-            if due:
-                loop = self._loop
-                for session_id, blocks in due:
-                    loop.call_soon_threadsafe(self.kv_store.offer, session_id, blocks)
-        return results
-
-    async def close(self, session_id: str) -> bool:
-        closed = await self._run(self.engine.close, session_id)
-        self._freed.set()  # a session waiting for KV room may fit now
-        return closed
-
-    async def status(self) -> WorkerInfo:
-        return await self._run(self.engine.status)

@@ -1,4 +1,4 @@
-"""A VerifyWorker in this process: sessions run by VerifierLoop on this worker's engine.
+"""A VerifyWorker in this process: sessions run by VerifierLoop on this worker's scheduler.
 
 The gRPC servicer serves it to remote orchestrators; ``specdec generate`` calls it directly. Each
 session's loop runs as its own task and hands StepCommits over through a queue, so the loop never
@@ -16,15 +16,15 @@ from collections.abc import AsyncIterator
 
 from specdec.core.sessions import taken_over
 from specdec.core.steps import SessionRun, StepCommit, WorkerInfo
-from specdec.target.engine import AsyncVerifierEngine
 from specdec.target.loop import LinkFactory, LoopConfig, VerifierLoop
+from specdec.target.scheduler import VerifierScheduler
 
 _END = object()
 
 
 class LocalVerifier:
-    def __init__(self, engine: AsyncVerifierEngine, link_factory: LinkFactory, config: LoopConfig = LoopConfig()) -> None:
-        self.engine = engine
+    def __init__(self, scheduler: VerifierScheduler, link_factory: LinkFactory, config: LoopConfig = LoopConfig()) -> None:
+        self.scheduler = scheduler
         self.link_factory = link_factory
         self.config = config
         self._streams: dict[str, tuple[asyncio.Task, asyncio.Queue]] = {}  # session id -> its running loop
@@ -42,7 +42,7 @@ class LocalVerifier:
     async def run(self, run: SessionRun) -> AsyncIterator[StepCommit]:
         session_id = run.spec.session_id
         await self._supersede(session_id)
-        loop = VerifierLoop(self.engine, run, self.link_factory, self.engine.engine.loaded.context_length, self.config)
+        loop = VerifierLoop(self.scheduler, run, self.link_factory, self.config)
         queue: asyncio.Queue = asyncio.Queue()
 
         async def produce() -> None:
@@ -72,4 +72,4 @@ class LocalVerifier:
                 del self._streams[session_id]
 
     async def status(self) -> WorkerInfo:
-        return await self.engine.status()
+        return await self.scheduler.status()

@@ -1,0 +1,75 @@
+"""`specdec bench --concurrency` of two checkouts (or settings), alternated run by run, on one machine.
+
+    python benchmarks/bench_before_after.py --before /path/to/venv-of-main/bin/python \\
+        --levels 1,4,16,64 --modes off,adaptive --rounds 3 --out benchmarks/results/scheduler/before_after.json
+
+Each variant is a `python -m specdec bench --concurrency ...` subprocess run from a neutral folder,
+so the interpreter decides which specdec it imports (a venv with the other checkout installed
+editable is "before"). Variants: before (fast numerics), after fast, after exact. Every round runs
+each once, in turn, so machine noise hits all alike; the table gives per level and mode the median
+tokens/s and the after/before ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine  # noqa: E402
+
+
+def run_variant(python: str, extra: list[str], args, out: Path) -> dict:
+    cmd = [python, "-m", "specdec", "bench", "--concurrency", args.levels, "--modes", args.modes,
+           "--tokens-per-level", str(args.tokens_per_level), "--threads", str(args.threads), "--out", str(out), *extra]
+    subprocess.run(cmd, check=True, cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL)
+    return json.loads((out / "load.json").read_text())["results"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", required=True, help="the python whose specdec is 'before'")
+    ap.add_argument("--after", default=sys.executable, help="the python whose specdec is 'after' (default: this one)")
+    ap.add_argument("--levels", default="1,4,16,64")
+    ap.add_argument("--modes", default="off,adaptive")
+    ap.add_argument("--tokens-per-level", type=int, default=1024)
+    ap.add_argument("--threads", default="1")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-exact", action="store_true", help="skip the after-exact variant")
+    ap.add_argument("--out", help="write the JSON result here")
+    args = ap.parse_args()
+    variants = {"before": (args.before, []), "after_fast": (args.after, ["--numerics", "fast"])}
+    if not args.no_exact:
+        variants["after_exact"] = (args.after, ["--numerics", "exact"])
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for name, (python, extra) in variants.items():
+                print(f"round {r + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
+                runs[name].append(run_variant(python, extra, args, Path(tmp) / f"{name}-{r}"))
+    keys = list(runs["before"][0])
+    table = {}
+    print(f"{'level/mode':<14}" + "".join(f"{name:>13}" for name in variants) + "   after/before" +
+          ("   exact/fast" if "after_exact" in variants else ""))
+    for key in keys:
+        med = {name: statistics.median(run[key]["tokens_per_s"] for run in runs[name]) for name in variants}
+        row = {f"{name}_tokens_per_s": med[name] for name in variants}
+        row["after_vs_before"] = med["after_fast"] / med["before"]
+        line = f"{key:<14}" + "".join(f"{med[name]:>13.1f}" for name in variants) + f"{row['after_vs_before']:>14.2f}"
+        if "after_exact" in variants:
+            row["exact_vs_fast"] = med["after_exact"] / med["after_fast"]
+            line += f"{row['exact_vs_fast']:>13.2f}"
+        table[key] = row
+        print(line)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"machine": machine(), "args": vars(args), "table": table, "runs": runs}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
