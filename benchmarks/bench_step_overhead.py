@@ -94,7 +94,7 @@ def main() -> int:
         wall = time.perf_counter() - t0
         n_steps = steps[0] - s_before
         target_s, draft_s = target_clock.seconds - t_before, draft_clock.seconds - d_before
-        tokens = sum(len(r.token_ids) for r in results)
+        tokens = sum(len(ids) for _, ids, _ in results)
         return {"tokens": tokens, "steps": n_steps, "wall_s": wall, "target_forward_s": target_s, "draft_forward_s": draft_s,
                 "outside_s": wall - target_s - draft_s}
 

@@ -125,7 +125,7 @@ def test_one_rule_batches_equal_per_session_rules(rule):
     for _ in range(10):
         vocab = r.randint(50, 300)
         steps, blocks = [], []
-        for _ in range(r.randint(1, 16)):
+        for _ in range(r.randint(2, 16)):
             k = r.randint(0, MAX_K)
             sampling = random_sampling(r, rule, vocab)
             logits = random_logits(r, k + 1, vocab)
@@ -183,20 +183,23 @@ def test_greedy_exact_cases():
 def test_greedy_ties_go_to_the_lowest_id():
     logits = torch.zeros(2, 6)
     logits[:, [2, 4]] = 1.0
-    assert decide_batch(logits, [RuleStep((4,), None, SamplingParams(), 0)]) == [((2,), 0)]
-    assert decide_batch(logits, [RuleStep((2,), None, SamplingParams(), 0)]) == [((2, 2), 1)]
+    steps = [RuleStep((4,), None, SamplingParams(), 0), RuleStep((2,), None, SamplingParams(), 0)]
+    assert decide_batch(torch.cat([logits, logits]), steps) == [((2,), 0), ((2, 2), 1)]
 
 
 def test_coupled_tokens_are_target_only_sampling_for_every_k():
-    """Seed-exactness: a coupled step commits the target-only coupled token of each position."""
+    """Seed-exactness: a coupled step commits the target-only coupled token of each position, alone
+    (k = 0 is target-only sampling itself) and beside another session."""
     vocab, seed, n = 97, 1234, 40
     sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=seed, rule=VerificationRule.COUPLED)
     logits = random_logits(random.Random(3), 9, vocab)
     target_only = [int((processed_logprobs(logits[j], sampling) + gumbel_noise(seed, (n + j,), vocab)[0]).argmax())
                    for j in range(9)]
+    other = RuleStep((5, 6), None, SamplingParams(temperature=1.0, seed=9, rule=VerificationRule.COUPLED), 7)
     for k in range(MAX_K + 1):
-        tokens, accepted = decide_batch(logits[: k + 1], [RuleStep(tuple(target_only[:k]), None, sampling, n)])[0]
-        assert (tokens, accepted) == (tuple(target_only[: k + 1]), k)
+        step = RuleStep(tuple(target_only[:k]), None, sampling, n)
+        assert decide_batch(logits[: k + 1], [step]) == [(tuple(target_only[: k + 1]), k)]
+        assert decide_batch(torch.cat([logits[: k + 1], logits[:3]]), [step, other])[0] == (tuple(target_only[: k + 1]), k)
 
 
 def test_empty_batch():
