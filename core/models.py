@@ -1,6 +1,12 @@
-"""Loading Hugging Face causal LMs from local paths, and checking that two share a tokenizer."""
+"""Loading Hugging Face causal LMs from local paths, checking that two share a tokenizer, and handing
+a model's weights over to a decoder that holds them in its own layout (`release_weights`)."""
 from __future__ import annotations
 
+import bisect
+import ctypes
+import mmap
+import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,3 +109,118 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
         )
     if target.tokenizer.eos_token_id != draft.tokenizer.eos_token_id:
         raise ModelMismatch(f"draft model {draft.path} has eos id {draft.tokenizer.eos_token_id}, target {target.tokenizer.eos_token_id}")
+
+
+# ----------------------------------------------------------------------------- weights held once
+
+MADV_DONTNEED = 4  # Linux madvise(2): drop a range's pages from this process (a file mapping refaults them from the page cache)
+_RESTORE_HOOK = "_specdec_restore_hook"  # the attribute a released model keeps its forward pre-hook under
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of every file-backed mapping of this process, sorted (Linux; elsewhere none)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    spans = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):  # an inode and a path: a file
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((start, end))
+    return sorted(spans)
+
+
+def _in_file(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> bool:
+    ptr = tensor.data_ptr()
+    at = bisect.bisect_right(spans, (ptr, float("inf"))) - 1
+    return at >= 0 and spans[at][0] <= ptr < spans[at][1]
+
+
+class WeightRelease:
+    """Stops ``model`` holding the parameters of the modules it is called with, in memory: a decoder
+    holds them now, in its own layout (core/llama_decode.py, ``own_weights``).
+
+    A parameter mapped from the checkpoint file keeps its tensor and loses its resident pages; any
+    other becomes a meta tensor of its shape and dtype, and the model's own forward, if it ever runs
+    (a reference check), first reloads its weights from its folder (`restore_weights`). ``keep``:
+    tensors left as they are (the embedding: the decoder shares it, and ``model.device`` reads it)."""
+
+    def __init__(self, model: torch.nn.Module, keep: Iterable[torch.Tensor] = ()) -> None:
+        self.model = model
+        self.kept = {id(t) for t in keep}
+        self.spans = _file_mappings()  # the checkpoint's mapping is made at load and stays: read once
+        self.libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+        self.trim = getattr(self.libc, "malloc_trim", None)  # glibc's; musl has none
+
+    def __call__(self, *modules: torch.nn.Module) -> None:
+        released = False
+        mapped: list[tuple[int, int]] = []
+        for module in modules:
+            for name, param in list(module.named_parameters(recurse=False)):
+                if id(param) in self.kept or param.is_meta:
+                    continue
+                if _in_file(param, self.spans):
+                    mapped.append((param.data_ptr(), param.data_ptr() + param.numel() * param.element_size()))
+                    continue
+                module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
+                released = True
+        self._drop_pages(mapped)
+        if self.trim is not None:
+            # A fused copy freed once packed stays in the C heap's free lists otherwise: reused by the
+            # next layer's, but its pages stay with the process and add to the peak at load.
+            self.trim(0)
+        if released and getattr(self.model, _RESTORE_HOOK, None) is None:
+            setattr(self.model, _RESTORE_HOOK, self.model.register_forward_pre_hook(lambda m, args: restore_weights(m)))
+
+    def _drop_pages(self, ranges: list[tuple[int, int]]) -> None:
+        """Drop the whole pages of byte ranges [start, end) of file mappings from this process's memory.
+
+        transformers maps a safetensors checkpoint whose dtype it keeps instead of copying it: a
+        weight costs resident memory once read, and stays resident while mapped. Dropped pages stay
+        in the page cache, and a later read of a tensor there faults them back in: the tensors stay
+        valid (reading what the file holds: a weight changed in place after loading would lose it). Ranges are merged first (a checkpoint stores a layer's tensors side by side), so only
+        the edge pages of a run, which a neighbour may share, stay."""
+        if self.libc is None:
+            return
+        page = mmap.PAGESIZE
+        merged: list[list[int]] = []
+        for start, end in sorted(ranges):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        for start, end in merged:
+            first, last = -(-start // page) * page, end // page * page
+            if last > first:
+                self.libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
+
+
+def release_weights(model: torch.nn.Module, modules: Iterable[torch.nn.Module], keep: Iterable[torch.Tensor] = ()) -> None:
+    """`WeightRelease` of ``modules`` at once."""
+    WeightRelease(model, keep)(*modules)
+
+
+def weights_released(model: torch.nn.Module) -> bool:
+    return getattr(model, _RESTORE_HOOK, None) is not None
+
+
+def restore_weights(model: torch.nn.Module) -> None:
+    """Give a model whose weights `release_weights` took them back, from the folder it was loaded from."""
+    hook = getattr(model, _RESTORE_HOOK, None)
+    if hook is None:
+        return
+    from transformers import AutoModelForCausalLM
+
+    folder = getattr(model, "name_or_path", "")
+    if not folder or not (Path(folder) / "config.json").is_file():
+        raise ValueError("this model's weights were handed to a decoder (own_weights) and it has no folder to "
+                         "reload them from: load the model again to run its own forward")
+    dtype = next(model.parameters()).dtype
+    fresh = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._parameters[attr] = fresh.get_parameter(name)
+    hook.remove()
+    setattr(model, _RESTORE_HOOK, None)

@@ -61,6 +61,9 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
         p.add_argument("--numerics", choices=("fast", "exact"), default="fast",
                        help="exact: a row's target logits are bitwise the same whatever shares its forward "
                             "(docs/guarantees.md); fast: kernels timed at load")
+        p.add_argument("--weight-layouts", type=int, choices=(1, 2), default=1,
+                       help="copies of each target weight the lean forward keeps: 1 (memory = the weights) or 2 "
+                            "(the fastest kernel for one row and for more: up to twice the memory; docs/performance.md)")
     if draft:
         p.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default="float32",
                        help="draft model precision on the lean path (bfloat16 needs a CPU with native bf16)")
@@ -258,7 +261,8 @@ async def _generate_embedded(args) -> int:
     # torch thread count is chosen by measuring: more threads win on an idle machine and lose badly
     # while another process keeps a core busy (docs/performance.md).
     threads = args.threads
-    orch = roles.embedded(TargetConfig(target, threads=threads, fast_forward=fast, **target_numerics(args.dtype, args.numerics, args.reference_forward)),
+    orch = roles.embedded(TargetConfig(target, threads=threads, fast_forward=fast,
+                                       weight_layouts=args.weight_layouts, **target_numerics(args.dtype, args.numerics, args.reference_forward)),
                           DraftConfig(draft, target, threads=threads, fast_draft_forward=fast, draft_dtype=args.draft_dtype,
                                       min_confidence=args.draft_min_confidence),
                           OrchestratorConfig(default_drafter=args.drafter))
@@ -377,7 +381,8 @@ async def _serve(args) -> int:
         config = TargetConfig(model_path(args.target, ENV_TARGET, "target"), threads=args.threads, fast_forward=not args.reference_forward,
                               max_sessions=args.max_sessions, max_kv_tokens=args.max_kv_tokens,
                               kv_redis_url=args.kv_redis_url, kv_block_tokens=args.kv_block_tokens,
-                              kv_redis_max_tokens=args.kv_redis_max_tokens, **target_numerics(args.dtype, args.numerics, args.reference_forward))
+                              kv_redis_max_tokens=args.kv_redis_max_tokens, weight_layouts=args.weight_layouts,
+                              **target_numerics(args.dtype, args.numerics, args.reference_forward))
         running, _ = await roles.start_target(config, server, service_token=token, registry=registry)
     else:
         from specdec.orchestrator.request import OrchestratorConfig
@@ -463,7 +468,7 @@ def _up(args) -> int:
         common += ["--reference-forward"]
     common += ["--draft-dtype", args.draft_dtype, "--draft-min-confidence", str(args.draft_min_confidence)]
     target_numerics(args.dtype, args.numerics, args.reference_forward)  # refused here, before any process starts
-    common += ["--dtype", args.dtype, "--numerics", args.numerics]
+    common += ["--dtype", args.dtype, "--numerics", args.numerics, "--weight-layouts", str(args.weight_layouts)]
     ca_file = tls_dir = None
     if args.tls:
         import tempfile

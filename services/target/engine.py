@@ -38,6 +38,9 @@ class TargetConfig:
     # reference HF forward. Either way the verifier's forward defines the target distribution.
     fast_forward: bool = True
     pack_rows: int = PACK_ROWS
+    # Layouts the lean forward keeps of each weight: 1 (each weight held once; single-row calls may run
+    # a slower kernel for it) or 2 (the fastest kernel for one row and for more rows: twice the memory).
+    weight_layouts: int = 1
     # The target's precision (weights, activations, KV cache): float32 | bfloat16 (CPUs with native bf16 only).
     dtype: str = "float32"
     # fast | exact. exact: a row's logits are bitwise the same whatever else shares the forward (its
@@ -100,7 +103,9 @@ class SessionState:
 class VerifierEngine:
     """Synchronous; the server runs it on one worker thread, the embedded path calls it directly."""
 
-    def __init__(self, loaded: LoadedModel, config: TargetConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: TargetConfig, own_weights: bool = False) -> None:
+        """``own_weights``: the lean forward takes the model's weights over (each held once, in the layout
+        it runs with); for a model loaded for this engine alone (`from_config`)."""
         self.loaded = loaded
         self.config = config
         self.sessions: SessionTable[SessionState] = SessionTable(config.max_sessions, config.idle_timeout_s)
@@ -109,19 +114,20 @@ class VerifierEngine:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {config.numerics!r}")
         if config.numerics != "fast" and not fast:
             raise ValueError(f"numerics={config.numerics!r} needs the lean forward (fast_forward on, a plain Llama)")
+        fingerprint = model_fingerprint(loaded.model, resolve_dtype(config.dtype), config.numerics)  # before the decoder takes the weights
         self.decoder = LlamaDecoder(loaded.model, pack_rows=config.pack_rows, dtype=resolve_dtype(config.dtype),
-                                    numerics=config.numerics) if fast else None
+                                    numerics=config.numerics, own_weights=own_weights,
+                                    layouts_per_weight=config.weight_layouts) if fast else None
         self.runner = runner_for(loaded.model, self.decoder)  # every session's forward goes through it, batched
         self.last_prefill_tokens = 0  # positions the last prefill batch computed (the rest came from stored KV blocks)
         self.layout = None  # the KV block layout, on the lean forward (blocks are its buffer's bytes)
         if self.decoder is not None:
             d = self.decoder
-            self.layout = BlockLayout(len(d.layers), d.n_kv, d.head_dim, d.dtype, config.kv_block_tokens,
-                                      model_fingerprint(loaded.model, d.dtype, d.numerics))
+            self.layout = BlockLayout(len(d.layers), d.n_kv, d.head_dim, d.dtype, config.kv_block_tokens, fingerprint)
 
     @classmethod
     def from_config(cls, config: TargetConfig) -> "VerifierEngine":
-        return cls(load_causal_lm(config.model_path, dtype=config.dtype, threads=config.threads), config)
+        return cls(load_causal_lm(config.model_path, dtype=config.dtype, threads=config.threads), config, own_weights=True)
 
     def open(self, spec: SessionSpec, max_new_tokens: int | None = None, stored: Sequence[torch.Tensor] = ()) -> int:
         """Prefill a session; ``max_new_tokens`` sizes its KV reservation (None: the whole context);
