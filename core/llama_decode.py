@@ -46,6 +46,29 @@ from specdec.core.models import WeightRelease, restore_weights, weights_released
 
 INITIAL_CAPACITY = 64  # positions; a private cache (not a pool slot) doubles from here up to the model's context length
 PACK_ROWS = 8  # a verification feeds 1 + k rows; oneDNN packs each weight for about this many
+# A packed linear's calls: up to EXACT_ROWS rows as they come, more padded to a bucket
+# (`bucket_rows`), more than MAX_CALL_ROWS in calls of that many rows (weight reads are a small part
+# of a call that large).
+EXACT_ROWS = 8
+MAX_CALL_ROWS = 512
+
+
+def bucket_rows(n: int) -> int:
+    """The row count a packed oneDNN linear is called with for ``n <= MAX_CALL_ROWS`` rows: ``n`` up
+    to EXACT_ROWS, then the next multiple of 8 up to 64, then four buckets per power of two (at
+    most 25% padding): 27 sizes in all.
+
+    oneDNN and ideep (PyTorch's wrapper) each cache one primitive per input shape, in caches of 1,024
+    entries by default: 0.55 MiB of process memory per new row count per weight shape (torch 2.13,
+    whatever the weight's size). A verifier's batches and prefills come in hundreds of row counts,
+    so unbucketed a worker grew by hundreds of MiB over thousands of sessions until the caches
+    filled (benchmarks/soak.py; tests/test_memory.py); with buckets a linear sees at most 27 shapes,
+    cached after warm-up, and no primitive is rebuilt (~2.5 ms each) on the request path."""
+    if n <= EXACT_ROWS:
+        return n
+    if n <= 64:
+        return exact_ops.round_up(n, 8)
+    return exact_ops.round_up(n, 1 << (n.bit_length() - 3))
 
 
 def _available_cores() -> int:
@@ -91,8 +114,14 @@ def _onednn_linear(weight: torch.Tensor, rows_hint: int, check: bool = True) -> 
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
         op = torch.ops.mkldnn._linear_pointwise
 
-        def linear(x: torch.Tensor) -> torch.Tensor:
-            return op(x, packed, None, "none", [], "")
+        def linear(x: torch.Tensor) -> torch.Tensor:  # x [n, in]
+            n = x.shape[0]
+            if n > MAX_CALL_ROWS:
+                return torch.cat([linear(part) for part in x.split(MAX_CALL_ROWS)])
+            m = bucket_rows(n)  # zero rows below the real ones (like any batch size, may move a row's last bits)
+            if m == n:
+                return op(x, packed, None, "none", [], "")
+            return op(torch.cat([x, x.new_zeros(m - n, x.shape[1])]), packed, None, "none", [], "")[:n]
 
         if not check:
             return linear

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from specdec.core.errors import SessionNotFound
-from specdec.core.session_table import SessionTable
+from specdec.core.session_table import FreedMemory, SessionTable
 from specdec.core.sessions import check_session_id
 from specdec.core.steps import MAX_PREFILL_TOKENS, DraftBlock, SessionSpec, StepOutcome, WorkerInfo, validate_prompt
 from specdec.draft.drafters import DraftConfig, Drafter, build_drafters, pick
@@ -42,7 +42,7 @@ class DraftEngine:
         self.drafters = drafters
         self.config = config
         self.context_length = min(context_length or config.max_session_tokens, config.max_session_tokens)
-        self.sessions: SessionTable[SessionSpeculator] = SessionTable(config.max_sessions, config.idle_timeout_s)
+        self.sessions: SessionTable[SessionSpeculator] = SessionTable(config.max_sessions, config.idle_timeout_s, freed=FreedMemory())
         self._lock = threading.Condition()
         self._opens: collections.deque[tuple[SessionSpec, Emit, Future]] = collections.deque()
         self._calls: collections.deque[tuple[Callable[[], object], Future]] = collections.deque()

@@ -20,7 +20,7 @@ from specdec.core.llama_decode import NUMERICS, PACK_ROWS, LlamaDecoder, support
 from specdec.core.models import LoadedModel, load_causal_lm, resolve_dtype
 from specdec.core.runner import Feed, runner_for
 from specdec.core.sampling import SamplingParams
-from specdec.core.session_table import SessionTable
+from specdec.core.session_table import FreedMemory, SessionTable
 from specdec.core.steps import MAX_PREFILL_TOKENS, DraftProposal, SessionSpec, VerifyOutcome, WorkerInfo, check_room, dense_draft_probs, validate_prompt
 
 # Opens of one prefill batch whose prompts share at least this many leading tokens compute them once.
@@ -108,7 +108,7 @@ class VerifierEngine:
         it runs with); for a model loaded for this engine alone (`from_config`)."""
         self.loaded = loaded
         self.config = config
-        self.sessions: SessionTable[SessionState] = SessionTable(config.max_sessions, config.idle_timeout_s)
+        self.sessions: SessionTable[SessionState] = SessionTable(config.max_sessions, config.idle_timeout_s, freed=FreedMemory())
         fast = config.fast_forward and supports(loaded.model)
         if config.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {config.numerics!r}")
