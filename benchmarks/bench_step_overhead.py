@@ -25,22 +25,27 @@ from common import held_out_prompts, machine, pair_arguments  # noqa: E402
 
 
 class ForwardClock:
-    """Seconds spent in one decoder's forwards (patched on the instance, so only that model counts)."""
+    """Seconds spent in one decoder's forwards (patched on the instance, so only that model counts;
+    a forward that calls another of the patched methods is counted once)."""
 
     def __init__(self, decoder, names: tuple[str, ...]) -> None:
         self.seconds = 0.0
         self.calls = 0
+        self._depth = 0
         for name in names:
             setattr(decoder, name, self._timed(getattr(decoder, name)))
 
     def _timed(self, fn):
         def timed(*args, **kwargs):
+            self._depth += 1
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - t0
-                self.calls += 1
+                self._depth -= 1
+                if self._depth == 0:
+                    self.seconds += time.perf_counter() - t0
+                    self.calls += 1
         return timed
 
 
@@ -50,6 +55,8 @@ def main() -> int:
     ap.add_argument("--modes", default="k0,k3,adaptive", help="k0 | kN | adaptive, comma-separated")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--numerics", default="fast")
+    ap.add_argument("--weight-layouts", type=int, default=None)
+    ap.add_argument("--pack-rows", type=int, default=None, help="the target's oneDNN packing hint (default: TargetConfig's)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=1, help="streams at once (each prompt sent this many times)")
     ap.add_argument("--out", help="write the JSON result here")
@@ -65,11 +72,15 @@ def main() -> int:
     from specdec.target.engine import TargetConfig
 
     torch.set_num_threads(1)
-    orch = roles.embedded(TargetConfig(args.target, threads=1, dtype=args.dtype, numerics=args.numerics),
+    orch = roles.embedded(TargetConfig(args.target, threads=1, dtype=args.dtype, numerics=args.numerics,
+                                       **({"weight_layouts": args.weight_layouts} if args.weight_layouts else {}),
+                                       **({"pack_rows": args.pack_rows} if args.pack_rows else {})),
                           DraftConfig(args.draft, args.target, threads=1),
                           OrchestratorConfig(max_new_tokens_limit=4096, max_concurrent_requests=args.concurrency + 1))
-    engine = orch.verifier.scheduler.engine
-    drafter = orch.verifier.scheduler._run._pool  # the draft engine: in one process it runs both models
+    # (Checkouts before the scheduler called it the verifier's engine: this script compares both.)
+    scheduler = getattr(orch.verifier, "scheduler", None) or orch.verifier.engine
+    engine = scheduler.engine
+    drafter = scheduler._run._pool  # the draft engine: in one process it runs both models
     target_clock = ForwardClock(engine.decoder, ("forward", "forward_batch"))
     model_drafter = drafter.drafters["model"]
     draft_clock = ForwardClock(model_drafter.decoder, ("forward", "forward_batch", "layers_forward"))

@@ -122,7 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the drafter ends a block after a token it gives less than P probability (default 0: blocks of k)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the target's precision in specdec's methods; in bfloat16 outputs are compared with specdec's own k = 0")
-    p.add_argument("--numerics", choices=("fast", "exact"), default="fast",
+    p.add_argument("--numerics", choices=("auto", "exact", "fast"), default="auto",
                    help="the target's numerics in specdec's methods (docs/guarantees.md)")
     p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png (default ./bench-results)")
     p.add_argument("--concurrency", help="instead: a load benchmark in one process at these levels, e.g. 1,4,16,64 "

@@ -31,7 +31,7 @@ class BenchConfig:
     threads: int | None = 1  # torch threads per model; None: in-process methods choose per forward, as `specdec generate` does
     draft_min_confidence: float = 0.0  # the drafter's --draft-min-confidence, in every method
     dtype: str = "float32"  # the target's, in specdec's methods (the transformers baseline stays float32)
-    numerics: str = "fast"
+    numerics: str = "auto"
 
     @property
     def reference(self) -> str:

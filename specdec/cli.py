@@ -58,9 +58,10 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
     if target:
         p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                        help="target model precision (bfloat16 needs a CPU with native bf16)")
-        p.add_argument("--numerics", choices=("fast", "exact"), default="fast",
+        p.add_argument("--numerics", choices=("auto", "exact", "fast"), default="auto",
                        help="exact: a row's target logits are bitwise the same whatever shares its forward "
-                            "(docs/guarantees.md); fast: kernels timed at load")
+                            "(docs/guarantees.md); fast: kernels timed at load; auto (default): exact where "
+                            "this CPU holds it, else fast with a warning")
         p.add_argument("--weight-layouts", type=int, choices=(1, 2), default=1,
                        help="copies of each target weight the lean forward keeps: 1 (memory = the weights) or 2 "
                             "(the fastest kernel for one row and for more: up to twice the memory; docs/performance.md)")

@@ -182,6 +182,20 @@ def test_a_cpu_whose_kernels_do_not_hold_is_refused_naming_it(monkeypatch):
         LlamaDecoder(tiny_llama(2, seed=1), numerics="exakt")
 
 
+def test_the_default_is_exact_and_falls_back_to_fast_only_where_the_cpu_cannot_hold_it(tiny_pair, monkeypatch, caplog):
+    from specdec.target.engine import TargetConfig, VerifierEngine
+
+    assert VerifierEngine.from_config(TargetConfig(tiny_pair[0])).numerics == "exact"
+    assert VerifierEngine.from_config(TargetConfig(tiny_pair[0], fast_forward=False)).numerics == "fast"  # the reference forward
+    monkeypatch.setattr(exact_ops, "_PLANS", {})
+    monkeypatch.setattr(exact_ops, "_probe_attention", lambda *args: "a row differs")
+    engine = VerifierEngine.from_config(TargetConfig(tiny_pair[0]))
+    assert engine.numerics == "fast" and not engine.decoder.exact
+    assert "exact numerics unavailable" in caplog.text and "a row differs" in caplog.text
+    with pytest.raises(exact_ops.ExactNumericsUnavailable):  # asked for by name, it is refused instead
+        VerifierEngine.from_config(TargetConfig(tiny_pair[0], numerics="exact"))
+
+
 def test_bfloat16_is_refused_on_a_cpu_without_native_bf16(tiny_pair, monkeypatch):
     monkeypatch.setattr(cpu_features, "native_bf16", lambda: False)
     monkeypatch.setattr(llama_decode, "native_bf16", lambda: False)

@@ -6,6 +6,7 @@ verification rules over all of it (core/batch_rules.py). No gRPC here.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from specdec.core.batch_rules import RuleStep, decide_batch
 from specdec.core.errors import InvalidRequest, Overloaded, SessionAlreadyOpen, SpecdecError
 from specdec.core.kv import shared_prefixes
 from specdec.core.kv_blocks import BlockLayout, encode_block, model_fingerprint
+from specdec.core.exact_ops import ExactNumericsUnavailable
 from specdec.core.llama_decode import NUMERICS, PACK_ROWS, LlamaDecoder, supports
 from specdec.core.models import LoadedModel, load_causal_lm, resolve_dtype
 from specdec.core.runner import Feed, runner_for
@@ -43,10 +45,11 @@ class TargetConfig:
     weight_layouts: int = 1
     # The target's precision (weights, activations, KV cache): float32 | bfloat16 (CPUs with native bf16 only).
     dtype: str = "float32"
-    # fast | exact. exact: a row's logits are bitwise the same whatever else shares the forward (its
-    # block's other rows, other sessions, thread count; core/exact_ops.py), so speculation never
-    # changes greedy output. Needs the lean forward.
-    numerics: str = "fast"
+    # auto | exact | fast. exact: a row's logits are bitwise the same whatever else shares the forward
+    # (its block's other rows, other sessions, thread count; core/exact_ops.py), so speculation never
+    # changes greedy output; needs the lean forward. auto: exact where this CPU's kernels hold it
+    # (checked at load), else fast, with a warning; fast on the reference forward.
+    numerics: str = "auto"
     # KV memory budget in tokens over all sessions (None: max_sessions full contexts). A session
     # reserves prompt + max_new_tokens (at most the context) when it opens, so one admitted never
     # runs out mid-stream; one that does not fit is refused with RESOURCE_EXHAUSTED.
@@ -68,6 +71,9 @@ class TargetConfig:
     batch_wait_s: float = 0.003
     # Opens that arrive while a prefill runs are prefilled together, up to this many prompt tokens per forward.
     max_prefill_tokens: int = MAX_PREFILL_TOKENS
+
+
+log = logging.getLogger(__name__)
 
 
 class KVBudgetFull(Overloaded):
@@ -110,20 +116,34 @@ class VerifierEngine:
         self.config = config
         self.sessions: SessionTable[SessionState] = SessionTable(config.max_sessions, config.idle_timeout_s, freed=FreedMemory())
         fast = config.fast_forward and supports(loaded.model)
-        if config.numerics not in NUMERICS:
-            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {config.numerics!r}")
-        if config.numerics != "fast" and not fast:
-            raise ValueError(f"numerics={config.numerics!r} needs the lean forward (fast_forward on, a plain Llama)")
-        fingerprint = model_fingerprint(loaded.model, resolve_dtype(config.dtype), config.numerics)  # before the decoder takes the weights
-        self.decoder = LlamaDecoder(loaded.model, pack_rows=config.pack_rows, dtype=resolve_dtype(config.dtype),
-                                    numerics=config.numerics, own_weights=own_weights,
-                                    layouts_per_weight=config.weight_layouts) if fast else None
+        if config.numerics not in (*NUMERICS, "auto"):
+            raise ValueError(f"numerics must be auto or one of {', '.join(NUMERICS)}; got {config.numerics!r}")
+        if config.numerics == "exact" and not fast:
+            raise ValueError("numerics='exact' needs the lean forward (fast_forward on, a plain Llama)")
+        self.decoder = self._decoder(loaded, config, own_weights) if fast else None
+        self.numerics = self.decoder.numerics if self.decoder is not None else "fast"
+        fingerprint = model_fingerprint(loaded.model, resolve_dtype(config.dtype), self.numerics)
         self.runner = runner_for(loaded.model, self.decoder)  # every session's forward goes through it, batched
         self.last_prefill_tokens = 0  # positions the last prefill batch computed (the rest came from stored KV blocks)
         self.layout = None  # the KV block layout, on the lean forward (blocks are its buffer's bytes)
         if self.decoder is not None:
             d = self.decoder
             self.layout = BlockLayout(len(d.layers), d.n_kv, d.head_dim, d.dtype, config.kv_block_tokens, fingerprint)
+
+    @staticmethod
+    def _decoder(loaded: LoadedModel, config: TargetConfig, own_weights: bool) -> LlamaDecoder:
+        """The lean forward in the numerics asked for; ``auto``: exact unless this CPU cannot hold it."""
+        numerics = "exact" if config.numerics == "auto" else config.numerics
+        try:
+            return LlamaDecoder(loaded.model, pack_rows=config.pack_rows, dtype=resolve_dtype(config.dtype),
+                                numerics=numerics, own_weights=own_weights, layouts_per_weight=config.weight_layouts)
+        except ExactNumericsUnavailable as exc:
+            if config.numerics != "auto":
+                raise
+            log.warning("exact numerics unavailable, running fast numerics (speculation may then change greedy "
+                        "output where logits nearly tie): %s", exc)
+            return LlamaDecoder(loaded.model, pack_rows=config.pack_rows, dtype=resolve_dtype(config.dtype),
+                                numerics="fast", own_weights=own_weights, layouts_per_weight=config.weight_layouts)
 
     @classmethod
     def from_config(cls, config: TargetConfig) -> "VerifierEngine":
