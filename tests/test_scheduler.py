@@ -122,3 +122,29 @@ def test_a_batch_takes_every_session_that_is_in():
 
     asyncio.run(go())
     assert [len(batch) for batch in engine.batches] == [3, 3, 3]  # 9 tokens each, 3 a step
+
+
+def test_a_fault_in_the_planning_costs_no_session_its_tokens(monkeypatch, caplog):
+    """What a step streams is made before the bookkeeping that steers speed; if that raises, every
+    session still gets its tokens and goes on (as plain decoding)."""
+    from specdec.core.speculation import SpeculationController
+
+    def broken(self, *args, **kwargs):
+        raise ZeroDivisionError("a bug in a controller")
+
+    monkeypatch.setattr(SpeculationController, "observe", broken)
+    engine = FakeEngine()
+    scheduler = VerifierScheduler(engine, threaded=False)
+    told: list[tuple[str, StepOutcome]] = []
+    verifier = LocalVerifier(scheduler, lambda run: CountingDrafter(told, run.spec.session_id), LoopConfig(draft_wait_s=5.0))
+
+    async def one(sid: str):
+        run = SessionRun(SessionSpec(sid, (7,), SamplingParams()), "in-process", 10, SpeculationPolicy(SpeculationMode.FIXED, 3))
+        return [t for commit in [c async for c in verifier.run(run)] for t in commit.token_ids]
+
+    async def go():
+        return await asyncio.gather(*(one(c * 32) for c in "abc"))
+
+    for tokens in asyncio.run(go()):
+        assert tokens == [(8 + i) % VOCAB for i in range(10)]
+    assert "verify batch planning failed" in caplog.text

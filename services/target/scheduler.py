@@ -313,11 +313,11 @@ class VerifierScheduler:
 
     def _finish(self, batch: list[_Queued], results: list[VerifyOutcome | SpecdecError], started: float, ended: float) -> None:
         """Commits for the batch's steps, every next k chosen in one place, then the outcomes out."""
-        commits: dict[int, StepCommit] = {}
         planned = [(i, q, r) for i, (q, r) in enumerate(zip(batch, results)) if q.plan is not None and isinstance(r, VerifyOutcome)]
+        commits = {i: self._commit(q.plan, q.ticket, outcome) for i, q, outcome in planned}
         try:
             for i, q, outcome in planned:
-                commits[i] = self._observe(q.plan, q.ticket, outcome, ended)
+                self._observe(q.plan, q.ticket, outcome, ended)
             self._decide([q.plan for i, q, _ in planned if not commits[i].finished])
         except Exception:  # speed's bookkeeping, never output: a fault here falls back to plain decoding
             log.exception("verify batch planning failed")
@@ -332,10 +332,8 @@ class VerifierScheduler:
                 q.done.set_exception(result)
             elif q.plan is None:
                 q.done.set_result(result)
-            elif i in commits:
-                q.done.set_result(commits[i])
             else:
-                q.done.set_exception(RuntimeError("the step's commit could not be made"))
+                q.done.set_result(commits[i])
         self._changed.set()
         since = None if self._last_batch_end is None else ended - self._last_batch_end
         self._last_batch_end = ended
@@ -347,12 +345,17 @@ class VerifierScheduler:
         except Exception:  # speed's bookkeeping, not output: log it and keep batching
             log.exception("verify batch bookkeeping failed")
 
-    def _observe(self, plan: SessionPlan, ticket: StepTicket, outcome: VerifyOutcome, now: float) -> StepCommit:
-        """What the step did for its session: the tokens it streams (cut at its limits) and what it cost."""
-        drafted = len(ticket.proposal.token_ids)
+    def _commit(self, plan: SessionPlan, ticket: StepTicket, outcome: VerifyOutcome) -> StepCommit:
+        """What the step streams for its session: its tokens cut at the request's limits."""
         tokens, finished = self._cut(plan, outcome.token_ids)
         plan.generated += len(tokens)
         finished = finished or outcome.committed_len >= self.context_length
+        return StepCommit(tokens, len(ticket.proposal.token_ids), outcome.num_accepted, outcome.committed_len,
+                          outcome.verify_time_ns, int((ticket.block_at - ticket.started) * 1e9), ticket.predrafted, finished)
+
+    def _observe(self, plan: SessionPlan, ticket: StepTicket, outcome: VerifyOutcome, now: float) -> None:
+        """What the step cost, for the session's controller, the batch's cost model and the metrics."""
+        drafted = len(ticket.proposal.token_ids)
         timing = StepTiming(verify_s=outcome.verify_time_ns * 1e-9, wait_s=ticket.block_at - ticket.started,
                             step_s=now - ticket.started, draft_s=ticket.draft_s, predrafted=ticket.predrafted)
         plan.controller.observe(drafted, outcome.num_accepted, timing)
@@ -360,8 +363,6 @@ class VerifierScheduler:
             self.batch_costs.observe_draft(ticket.draft_s / drafted)
         if self.metrics is not None:  # the draft wait only means something while a drafter is linked
             self.metrics.observe_round(drafted, outcome.num_accepted, timing.wait_s if ticket.linked else None)
-        return StepCommit(tokens, drafted, outcome.num_accepted, outcome.committed_len, outcome.verify_time_ns,
-                          int(timing.wait_s * 1e9), ticket.predrafted, finished)
 
     @staticmethod
     def _cut(plan: SessionPlan, token_ids: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
