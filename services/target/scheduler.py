@@ -112,7 +112,8 @@ class VerifierScheduler:
         self.metrics = metrics
         self.plans: dict[str, SessionPlan] = {}  # the sessions whose loops run here
         self._queue: collections.deque[_Queued] = collections.deque()
-        self._changed = asyncio.Event()  # a step was queued or a session's phase changed
+        self._on_the_way = 0  # planned, open sessions whose loops are on their way to their next step
+        self._settled: asyncio.Future | None = None  # what a held batch waits on
         self._batcher: asyncio.Task | None = None
         self._opens: collections.deque[tuple[SessionSpec, int | None, Sequence[torch.Tensor], asyncio.Future]] = collections.deque()
         self._prefiller: asyncio.Task | None = None
@@ -151,22 +152,43 @@ class VerifierScheduler:
 
     def retire(self, plan: SessionPlan) -> None:
         """The session's loop ends: the scheduler stops waiting for it."""
+        self._on_the_way -= self._is_on_the_way(plan)
         if self.plans.get(plan.run.spec.session_id) is plan:
             del self.plans[plan.run.spec.session_id]
         if plan.run.policy.mode is SpeculationMode.ADAPTIVE:
             self.load_regimes.adaptive_sessions -= 1
-        self._changed.set()
+        self._wake_if_settled()
 
     async def start(self, plan: SessionPlan) -> None:
         """Open (prefill) the planned session and choose its first k."""
         await self.open(plan.run.spec, plan.run.max_new_tokens)
+        before = self._is_on_the_way(plan)
         plan.state = self.engine.sessions.peek(plan.run.spec.session_id)
+        self._on_the_way += self._is_on_the_way(plan) - before
         self._decide([plan])
 
     def waiting(self, plan: SessionPlan) -> None:
         """The session's loop now waits for its drafter's block."""
-        plan.phase = Phase.WAITING
-        self._changed.set()
+        self._move(plan, Phase.WAITING)
+
+    def _is_on_the_way(self, plan: SessionPlan) -> int:
+        """1 if a batch is held for this session: open, planned here, its loop between steps."""
+        return int(plan.state is not None and plan.phase in (Phase.TURN, Phase.WAITING)
+                   and self.plans.get(plan.run.spec.session_id) is plan)
+
+    def _move(self, plan: SessionPlan, phase: Phase) -> None:
+        before = self._is_on_the_way(plan)
+        plan.phase = phase
+        self._on_the_way += self._is_on_the_way(plan) - before
+        self._wake_if_settled()
+
+    def _wake_if_settled(self) -> None:
+        """End a held batch's wait once nobody is on the way or the batch is full (no polling: a
+        count kept as phases change, so 64 sessions coming in cost no 64 wake-ups of the batcher)."""
+        settled = self._settled
+        if settled is not None and not settled.done() and (
+                self._on_the_way <= 0 or len(self._queue) >= self.engine.config.max_batch_sessions):
+            settled.set_result(None)
 
     async def open(self, spec: SessionSpec, max_new_tokens: int | None = None) -> int:
         """Open (prefill) a session. Over the KV budget, wait (up to ``kv_wait_s``) for sessions to
@@ -251,18 +273,17 @@ class VerifierScheduler:
     async def step(self, plan: SessionPlan, ticket: StepTicket) -> StepCommit:
         """One step of a planned session: its commit; the plan then holds its next k and overlap."""
         queued = _Queued(plan.run.spec.session_id, ticket.proposal, asyncio.get_running_loop().create_future(), plan, ticket)
-        plan.phase = Phase.READY
+        self._move(plan, Phase.READY)
         try:
             return await self._submit(queued)
         finally:
             if plan.phase is not Phase.TURN:  # refused or cancelled before it was stepped
-                plan.phase = Phase.TURN
-                self._changed.set()
+                self._move(plan, Phase.TURN)
 
     async def _submit(self, queued: _Queued):
         self._loop = asyncio.get_running_loop()
         self._queue.append(queued)
-        self._changed.set()
+        self._wake_if_settled()
         if self._batcher is None or self._batcher.done():
             self._batcher = asyncio.ensure_future(self._batches())
         return await queued.done
@@ -270,18 +291,16 @@ class VerifierScheduler:
     async def _settle(self, limit: int) -> None:
         """Hold the batch (``batch_wait_s`` at most) while planned sessions are still on their way
         to their next step: those whose loops have their outcome and those waiting for a block."""
+        if len(self._queue) >= limit or self._on_the_way <= 0:
+            return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.engine.config.batch_wait_s
-        while len(self._queue) < limit and any(p.phase in (Phase.TURN, Phase.WAITING) and p.state is not None
-                                               for p in self.plans.values()):
-            left = deadline - loop.time()
-            if left <= 0:
-                return
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except asyncio.TimeoutError:
-                return
+        self._settled = settled = loop.create_future()
+        timer = loop.call_later(self.engine.config.batch_wait_s, lambda: settled.done() or settled.set_result(None))
+        try:
+            await settled
+        finally:
+            timer.cancel()
+            self._settled = None
 
     async def _batches(self) -> None:
         limit = self.engine.config.max_batch_sessions
@@ -293,7 +312,7 @@ class VerifierScheduler:
                 if not item.done.done():  # a step whose session was cancelled while it waited
                     batch.append(item)
                     if item.plan is not None:
-                        item.plan.phase = Phase.STEPPING
+                        self._move(item.plan, Phase.STEPPING)
             if not batch:
                 continue
             self.batch_sizes[len(batch)] += 1
@@ -325,7 +344,7 @@ class VerifierScheduler:
                 q.plan.k = 0
         for i, (q, result) in enumerate(zip(batch, results)):
             if q.plan is not None:
-                q.plan.phase = Phase.TURN
+                self._move(q.plan, Phase.TURN)
             if q.done.done():
                 continue
             if isinstance(result, BaseException):
@@ -334,7 +353,6 @@ class VerifierScheduler:
                 q.done.set_result(result)
             else:
                 q.done.set_result(commits[i])
-        self._changed.set()
         since = None if self._last_batch_end is None else ended - self._last_batch_end
         self._last_batch_end = ended
         committed = sum(len(r.token_ids) for r in results if isinstance(r, VerifyOutcome))
