@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine  # noqa: E402
+from common import write_result  # noqa: E402
 
 
 def run_variant(python: str, extra: list[str], args, out: Path) -> dict:
@@ -66,8 +66,7 @@ def main() -> int:
         table[key] = row
         print(line)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"machine": machine(), "args": vars(args), "table": table, "runs": runs}, indent=2))
+        write_result(args.out, args=vars(args), table=table, runs=runs)
     return 0
 
 

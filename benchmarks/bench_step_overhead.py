@@ -13,15 +13,13 @@ Prints per-step and per-token medians and writes JSON (--out).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import held_out_prompts, machine, pair_arguments  # noqa: E402
+from common import held_out_prompts, pair_arguments, write_result  # noqa: E402
 
 
 class ForwardClock:
@@ -133,8 +131,7 @@ def main() -> int:
               f"{s['draft_forward_ms_per_step']:>7.2f} {s['outside_ms_per_step']:>8.2f} {100 * s['outside_fraction']:>8.1f}% "
               f"{s['tokens_per_step']:>8.2f}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"machine": machine(), "args": vars(args), "summary": summary, "runs": rows}, indent=2))
+        write_result(args.out, args=vars(args), summary=summary, runs=rows)
     return 0
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -16,6 +17,13 @@ DEMO = ROOT / "models" / "demo"
 def held_out_prompts(n: int, card_dir: Path = DEMO, chars: int = 160) -> list[str]:
     """Openings of functions/classes in the demo pair's held-out files (never trained on)."""
     return _held_out_prompts(n, card_dir, chars)
+
+
+def write_result(path: str | Path, **fields) -> None:
+    """A benchmark's JSON result, with the machine it ran on first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": machine(), **fields}, indent=2))
 
 
 def median(xs):

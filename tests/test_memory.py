@@ -94,14 +94,14 @@ def test_freed_memory_trims_once_the_last_session_closes_and_otherwise_at_most_o
     table.pop("a" * 32)  # one left, no interval passed: nothing to do yet
     assert freed.trims == 0 and not trimmed.wait(0.2)
     table.pop("b" * 32)  # idle: trim
-    assert trimmed.wait(5.0)
+    assert trimmed.wait(60.0)
     _wait_for(lambda: freed.trims == 1)
     trimmed.clear()
     table.add("c" * 32, "C")
     table.add("d" * 32, "D")
     now[0] += 61.0  # busy for over an interval: a close trims though sessions remain
     table.pop("c" * 32)
-    assert trimmed.wait(5.0)
+    assert trimmed.wait(60.0)
     _wait_for(lambda: freed.trims == 2)
 
 
@@ -113,10 +113,10 @@ def test_an_expired_session_counts_as_closed():
     table.add("a" * 32, "A")
     now[0] += 31.0
     assert table.reap_idle() == ["a" * 32]
-    assert trimmed.wait(5.0)
+    assert trimmed.wait(60.0)
 
 
-def _wait_for(condition, timeout_s: float = 5.0) -> None:
+def _wait_for(condition, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "timed out"

@@ -6,6 +6,7 @@ verification rules over all of it (core/batch_rules.py). No gRPC here.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -15,9 +16,9 @@ import torch
 
 from specdec.core.batch_rules import RuleStep, decide_batch
 from specdec.core.errors import InvalidRequest, Overloaded, SessionAlreadyOpen, SpecdecError
+from specdec.core.exact_ops import ExactNumericsUnavailable
 from specdec.core.kv import shared_prefixes
 from specdec.core.kv_blocks import BlockLayout, encode_block, model_fingerprint
-from specdec.core.exact_ops import ExactNumericsUnavailable
 from specdec.core.llama_decode import NUMERICS, PACK_ROWS, LlamaDecoder, supports
 from specdec.core.models import LoadedModel, load_causal_lm, resolve_dtype
 from specdec.core.runner import Feed, runner_for
@@ -25,6 +26,7 @@ from specdec.core.sampling import SamplingParams
 from specdec.core.session_table import FreedMemory, SessionTable
 from specdec.core.steps import MAX_PREFILL_TOKENS, DraftProposal, SessionSpec, VerifyOutcome, WorkerInfo, check_room, dense_draft_probs, validate_prompt
 
+log = logging.getLogger(__name__)
 # Opens of one prefill batch whose prompts share at least this many leading tokens compute them once.
 MIN_SHARED_PREFIX = 16
 
@@ -73,9 +75,6 @@ class TargetConfig:
     max_prefill_tokens: int = MAX_PREFILL_TOKENS
 
 
-log = logging.getLogger(__name__)
-
-
 class KVBudgetFull(Overloaded):
     """Over the verifier's KV budget now; ``ever_fits`` says whether it would fit once others close."""
 
@@ -98,12 +97,11 @@ class SessionState:
     valid_len: int = 0
     blocks_written: int = 0  # full KV blocks handed to the store so far
 
-    def feed(self, num_draft: int, draft_ids: Sequence[int] = ()) -> Feed:
-        """The feed of one verification: the committed tokens the cache lacks (at least the last
-        one, whose logits judge the first draft), then the drafts; logits for the last k + 1."""
-        n = len(self.committed)
-        start = min(self.valid_len, n - 1)
-        return Feed(self.cache, start, self.committed[start:] + list(draft_ids), num_draft + 1)
+    def feed(self, draft_ids: Sequence[int] = ()) -> Feed:
+        """The committed tokens the cache lacks (at least the last one, whose logits judge the first
+        draft, or give a prefill its next token), then the drafts; logits for the last k + 1."""
+        start = min(self.valid_len, len(self.committed) - 1)
+        return Feed(self.cache, start, self.committed[start:] + list(draft_ids), len(draft_ids) + 1)
 
 
 class VerifierEngine:
@@ -133,17 +131,16 @@ class VerifierEngine:
     @staticmethod
     def _decoder(loaded: LoadedModel, config: TargetConfig, own_weights: bool) -> LlamaDecoder:
         """The lean forward in the numerics asked for; ``auto``: exact unless this CPU cannot hold it."""
-        numerics = "exact" if config.numerics == "auto" else config.numerics
+        build = functools.partial(LlamaDecoder, loaded.model, pack_rows=config.pack_rows, dtype=resolve_dtype(config.dtype),
+                                  own_weights=own_weights, layouts_per_weight=config.weight_layouts)
         try:
-            return LlamaDecoder(loaded.model, pack_rows=config.pack_rows, dtype=resolve_dtype(config.dtype),
-                                numerics=numerics, own_weights=own_weights, layouts_per_weight=config.weight_layouts)
+            return build(numerics="exact" if config.numerics == "auto" else config.numerics)
         except ExactNumericsUnavailable as exc:
             if config.numerics != "auto":
                 raise
             log.warning("exact numerics unavailable, running fast numerics (speculation may then change greedy "
                         "output where logits nearly tie): %s", exc)
-            return LlamaDecoder(loaded.model, pack_rows=config.pack_rows, dtype=resolve_dtype(config.dtype),
-                                numerics="fast", own_weights=own_weights, layouts_per_weight=config.weight_layouts)
+            return build(numerics="fast")
 
     @classmethod
     def from_config(cls, config: TargetConfig) -> "VerifierEngine":
@@ -218,17 +215,17 @@ class VerifierEngine:
 
     def _prefill(self, sessions: Sequence[SessionState]) -> None:
         """Feed each session's prompt past what its cache holds, in one forward (logits of the last row only)."""
-        if not sessions:
-            return
-        feeds = []
-        for s in sessions:
-            start = min(s.valid_len, len(s.committed) - 1)
-            self.runner.truncate(s.cache, start)
-            feeds.append(Feed(s.cache, start, s.committed[start:], 1))
-        with torch.inference_mode():
-            self.runner.forward(feeds)
+        if sessions:
+            self._forward([s.feed() for s in sessions])
         for s in sessions:
             s.valid_len = len(s.committed)
+
+    @torch.inference_mode()
+    def _forward(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
+        """One forward over the feeds, each cache first cut to where its feed starts (exact rollback)."""
+        for feed in feeds:
+            self.runner.truncate(feed.cache, feed.start)
+        return self.runner.forward(feeds)
 
     def verify_batch(self, steps: Sequence[tuple[str, DraftProposal]]) -> list[VerifyOutcome | SpecdecError]:
         """One verification step for each (session, proposal): one target forward over the flat
@@ -256,13 +253,7 @@ class VerifierEngine:
             seen.add(session_id)
             checked.append((i, s, RuleStep(proposal.token_ids, draft_probs, s.sampling, n)))
         if checked:
-            feeds = []
-            for _, s, step in checked:
-                feed = s.feed(len(step.draft_ids), step.draft_ids)
-                self.runner.truncate(s.cache, feed.start)
-                feeds.append(feed)
-            with torch.inference_mode():
-                logits = torch.cat(self.runner.forward(feeds))  # [sum(k + 1), vocab], each step's rows in order
+            logits = torch.cat(self._forward([s.feed(step.draft_ids) for _, s, step in checked]))  # [sum(k + 1), vocab], in order
             decisions = decide_batch(logits, [step for _, _, step in checked])
             for (i, s, step), (tokens, accepted) in zip(checked, decisions):
                 s.valid_len = step.position + accepted  # the accepted drafts' keys are the committed tokens'

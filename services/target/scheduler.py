@@ -131,10 +131,6 @@ class VerifierScheduler:
     def context_length(self) -> int:
         return self.engine.loaded.context_length
 
-    @property
-    def open_sessions(self) -> int:
-        return len(self.engine.sessions)
-
     # -- sessions -------------------------------------------------------------------------------
 
     def admit(self, run: SessionRun) -> SessionPlan:
