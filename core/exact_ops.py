@@ -201,8 +201,10 @@ def causal_limits(starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor
     return torch.tensor([s + r + 1 for s, n in zip(starts, lengths) for r in range(n)])
 
 
-def slab_group(dec, slab: int, members: list[tuple[int, int, int, int]]) -> ExactGroup:
-    """The batch's sequences in one slab of ``dec``'s `ExactSlotPool`: (slot, start, first row, rows) each."""
+def slab_group(dec, slab: int, members: list[tuple[int, int, int, int]],
+               masks: Sequence[torch.Tensor | None] | None = None) -> ExactGroup:
+    """The batch's sequences in one slab of ``dec``'s `ExactSlotPool`: (slot, start, first row, rows)
+    each; ``masks``: per member, [rows, start + rows] positions each row sees, or None (causal)."""
     lo = min(slot for slot, _, _, _ in members)
     hi = max(slot for slot, _, _, _ in members) + 1
     length = max(start + n for _, start, _, n in members)
@@ -215,12 +217,24 @@ def slab_group(dec, slab: int, members: list[tuple[int, int, int, int]]) -> Exac
         slots=torch.tensor([slot - lo for slot, _, _, n in members for _ in range(n)]),
         row_in_seq=torch.cat([torch.arange(n) for _, _, _, n in members]),
         limits=causal_limits([start for _, start, _, _ in members], [n for _, _, _, n in members]),
+        allowed=None if masks is None else _stacked_masks(members, masks, length),
         positions=torch.cat([torch.arange(start, start + n) for _, start, _, n in members]))
 
 
-def alone_group(dec, cache: DecodeCache, start: int, first: int, n: int) -> ExactGroup:
+def _stacked_masks(members: list[tuple[int, int, int, int]], masks: Sequence[torch.Tensor | None], length: int) -> torch.Tensor:
+    """Every member's rows' masks, causal where None, padded to ``length``: [sum(rows), length]."""
+    out = []
+    for (_, start, _, n), mask in zip(members, masks):
+        if mask is None:
+            mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+        out.append(F.pad(mask, (0, length - start - n)))
+    return torch.cat(out)
+
+
+def alone_group(dec, cache: DecodeCache, start: int, first: int, n: int, mask: torch.Tensor | None = None) -> ExactGroup:
     """A cache outside ``dec``'s pool, batch rows first..first + n: a private buffer (zeroed past what it
-    wrote, grown to whole key blocks by the decoder) or another pool's slot."""
+    wrote, grown to whole key blocks by the decoder) or another pool's slot. ``mask`` [n, start + n]:
+    positions each row sees (None: causal)."""
     end = start + n
     if cache.pooled:  # another pool's slot: make it finite up to the padded length
         cache.pool.fill_to(cache.slab, cache.slot, round_up(end, KEY_BLOCK))
@@ -228,7 +242,7 @@ def alone_group(dec, cache: DecodeCache, start: int, first: int, n: int) -> Exac
     return ExactGroup(
         dec, lambda i: (buf[i, 0][None], buf[i, 1][None]), 1, rows=torch.arange(first, first + n),
         slots=torch.zeros(n, dtype=torch.long), row_in_seq=torch.arange(n),
-        limits=causal_limits([start], [n]), positions=torch.arange(start, end))
+        limits=causal_limits([start], [n]), allowed=mask, positions=torch.arange(start, end))
 
 
 def masked_attention(dec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

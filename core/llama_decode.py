@@ -34,7 +34,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,7 @@ from specdec.core import exact_ops
 from specdec.core.cpu_features import describe_cpu, native_bf16
 from specdec.core.kv_slots import DecodeCache, SlotPool
 from specdec.core.models import WeightRelease, restore_weights, weights_released
+from specdec.core.tree import feed_mask, feed_positions
 
 INITIAL_CAPACITY = 64  # positions; a private cache (not a pool slot) doubles from here up to the model's context length
 PACK_ROWS = 8  # a verification feeds 1 + k rows; oneDNN packs each weight for about this many
@@ -524,9 +525,14 @@ class LlamaDecoder:
 
     @torch.inference_mode()
     def forward_batch(self, caches: list[DecodeCache], token_ids: list[list[int]], starts: list[int],
-                      num_last: list[int]) -> list[torch.Tensor]:
+                      num_last: list[int], parents: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
         """Many sequences in one forward: sequence b feeds ``token_ids[b]`` at positions starts[b]..
         into ``caches[b]``; returns each one's logits of its last ``num_last[b]`` rows.
+
+        ``parents[b]`` (empty: none) makes the last ``len(parents[b])`` rows of sequence b a token
+        tree's nodes (core/tree.py): each node at its parent's position + 1, attending to the rows
+        before the tree and to its own ancestors. Rows' keys and values still go to buffer positions
+        ``starts[b] + row``; `keep_path` moves an accepted path's into place.
 
         The rows of all sequences are flattened into one [N, hidden] batch (N = the sum of their
         lengths, ragged, in the spirit of vLLM's flattened draft tokens with offsets), so every
@@ -541,7 +547,9 @@ class LlamaDecoder:
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        positions = torch.tensor([s + r for s, n in zip(starts, lengths) for r in range(n)])  # [N]
+        parents = parents or [()] * len(caches)
+        masks = [feed_mask(s, n, p) if p else None for s, n, p in zip(starts, lengths, parents)]  # [n, s + n] each
+        positions = torch.tensor([r for s, n, p in zip(starts, lengths, parents) for r in feed_positions(s, n, p)])  # [N]
         x = self.embed[torch.tensor([t for ids in token_ids for t in ids])]  # [N, hidden]
         rotary = self.rotary[positions]  # [N, 1, d/2]
 
@@ -551,12 +559,14 @@ class LlamaDecoder:
             if cache.pooled and cache.pool is self.pool:
                 by_slab.setdefault(cache.slab, []).append(b)
             elif self.exact:
-                groups.append(exact_ops.alone_group(self, cache, starts[b], offsets[b], lengths[b]))
+                groups.append(exact_ops.alone_group(self, cache, starts[b], offsets[b], lengths[b], masks[b]))
             else:
-                groups.append(_AloneAttention(self, cache, starts[b], offsets[b], offsets[b + 1]))
+                groups.append(_AloneAttention(self, cache, starts[b], offsets[b], offsets[b + 1], masks[b]))
         for slab, members in by_slab.items():
             layout = [(caches[b].slot, starts[b], offsets[b], lengths[b]) for b in members]
-            groups.append(exact_ops.slab_group(self, slab, layout) if self.exact else _SlabAttention(self, slab, layout))
+            member_masks = [masks[b] for b in members] if any(masks[b] is not None for b in members) else None
+            groups.append(exact_ops.slab_group(self, slab, layout, member_masks) if self.exact
+                          else _SlabAttention(self, slab, layout, member_masks))
         total = offsets[-1]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -571,6 +581,15 @@ class LlamaDecoder:
         rows = torch.tensor([r for b, m in enumerate(num_last) for r in range(offsets[b + 1] - m, offsets[b + 1])])
         logits = self.lm_head(F.rms_norm(x[rows], (self.hidden,), self.final_norm, self.eps)).float()  # [sum(num_last), vocab]
         return list(logits.split(num_last))
+
+    def keep_path(self, cache: DecodeCache, first: int, path: Sequence[int]) -> None:
+        """After a tree step whose nodes' keys and values lie at buffer positions ``first + node``: move
+        the accepted ``path``'s to ``first, first + 1, ...``, where a chain's would be (exact rollback
+        then keeps the first ``first + len(path)`` positions). Each source lies at or after its target."""
+        buf = cache.buf
+        for place, node in enumerate(path):
+            if node != place:
+                buf[:, :, :, first + place] = buf[:, :, :, first + node]
 
     @torch.inference_mode()
     def forward(self, cache: DecodeCache, token_ids: list[int], start: int, num_last: int | None = None) -> torch.Tensor:
@@ -598,12 +617,16 @@ class LlamaDecoder:
 class _AloneAttention:
     """A private cache's rows of a batch: attended on their own, as a single-sequence forward would."""
 
-    def __init__(self, dec: LlamaDecoder, cache: DecodeCache, start: int, lo: int, hi: int) -> None:
+    def __init__(self, dec: LlamaDecoder, cache: DecodeCache, start: int, lo: int, hi: int,
+                 mask: torch.Tensor | None = None) -> None:
+        """``mask`` [n, start + n]: which positions each row sees (None: causal)."""
         self.dec, self.cache, self.start, self.lo, self.hi = dec, cache, start, lo, hi
         self.rows = slice(lo, hi)
         self.in_order = True  # its rows are one run of the batch's rows
         n = hi - lo
-        self.mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start) if n > 1 else None
+        if mask is None and n > 1:
+            mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+        self.mask = mask
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         lo, hi, start = self.lo, self.hi, self.start
@@ -624,8 +647,10 @@ class _SlabAttention:
     ``< s + r + 1`` (causal within its own new rows). Every slot in the range is made finite up to
     ``length`` first (core/kv_slots.py: masked positions are still multiplied)."""
 
-    def __init__(self, dec: LlamaDecoder, slab: int, members: list[tuple[int, int, int, int]]) -> None:
-        """``members``: (slot, start, first row in the batch, rows) per sequence."""
+    def __init__(self, dec: LlamaDecoder, slab: int, members: list[tuple[int, int, int, int]],
+                 masks: list[torch.Tensor | None] | None = None) -> None:
+        """``members``: (slot, start, first row in the batch, rows) per sequence; ``masks``: per member,
+        [rows, start + rows] positions each row sees, or None (causal)."""
         self.dec = dec
         self.slab = dec.pool.slabs[slab]  # [slots, layers, 2, kv, context, d]
         self.lo = min(slot for slot, _, _, _ in members)
@@ -650,8 +675,12 @@ class _SlabAttention:
         limit = torch.full((self.span, self.n_max), self.length)  # padding slots: everything (finite, dropped)
         firsts = torch.tensor([start for _, start, _, _ in members])
         limit[torch.tensor([slot - self.lo for slot, _, _, _ in members])] = firsts[:, None] + torch.arange(1, self.n_max + 1)
-        full = self.n_max == 1 and self.span == len(members) and all(start + n == self.length for _, start, _, n in members)
+        full = (masks is None and self.n_max == 1 and self.span == len(members)
+                and all(start + n == self.length for _, start, _, n in members))
         self.mask = None if full else (torch.arange(self.length) < limit[:, :, None])[:, None]  # [span, 1, n_max, length]
+        for (slot, start, _, n), mask in zip(members, masks or ()):
+            if mask is not None:
+                self.mask[slot - self.lo, 0, :n] = F.pad(mask, (0, self.length - start - n))
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dec = self.dec

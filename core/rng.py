@@ -21,6 +21,9 @@ class Stream(enum.IntEnum):
     DRAFT_SAMPLE = 1  # the drafter picks a draft token at this position
     ACCEPT = 2  # the verifier's accept/reject test of the draft token at this position
     TARGET_SAMPLE = 3  # the verifier samples a recovered or bonus token at this position
+    # The accept test of a token tree's later sibling at this position (the first uses ACCEPT, so a
+    # chain-shaped tree decides as the chain does): keyed by position and the sibling's rank.
+    TREE_ACCEPT = 4
 
 
 def _mix(x: int) -> int:
@@ -36,6 +39,14 @@ def uniform(seed: int, stream: Stream, position: int) -> float:
     return (x >> 11) * (1.0 / (1 << 53))
 
 
-def uniforms(seed: int, stream: Stream, positions: Sequence[int]) -> torch.Tensor:
-    """Uniforms for several positions of one sequence: float64 tensor [len(positions)]."""
-    return torch.tensor([uniform(seed, stream, p) for p in positions], dtype=torch.float64)
+def uniform_ranked(seed: int, stream: Stream, position: int, rank: int) -> float:
+    """One uniform for (seed, stream, position, rank): several independent draws at one position."""
+    x = _mix(_mix(_mix(_mix(seed & _MASK) ^ int(stream)) ^ (position & _MASK)) ^ (rank & _MASK))
+    return (x >> 11) * (1.0 / (1 << 53))
+
+
+def uniforms(seed: int, stream: Stream, positions: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Uniforms for several positions of one sequence: float64 tensor [len(positions)] on ``device``.
+
+    Made in Python integers and exact in float64, so the same bits on every device."""
+    return torch.tensor([uniform(seed, stream, p) for p in positions], dtype=torch.float64, device=device)
