@@ -18,6 +18,7 @@ import torch
 from specdec.core.errors import InvalidRequest, SessionOutOfSync
 from specdec.core.sampling import SamplingParams
 from specdec.core.speculation import SpeculationPolicy
+from specdec.core.tree import DraftTree
 
 MAX_STEP_TOKENS = 65  # 64 draft tokens (the speculation length's cap) and the recovered or bonus token
 # Prompt tokens per batched prefill forward, at the verifier and at the drafter (its attention's
@@ -51,19 +52,32 @@ class DraftProposal:
 
     ``alternatives`` never leaves the drafter: per draft position, its next likeliest tokens, which
     are its guesses of the recovered token should the verifier reject the draft there.
+    ``parents`` makes the tokens a token tree (core/tree.py; empty: a chain); a tree's tokens are
+    point masses (no distributions).
     """
 
     token_ids: tuple[int, ...]
     distributions: tuple[SparseDistribution, ...] | None = None
     draft_time_ns: int = 0
     alternatives: tuple[tuple[int, ...], ...] = ()
+    parents: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.parents:
+            DraftTree(self.token_ids, self.parents)  # ValueError naming what is wrong with the shape
+            if self.distributions is not None:
+                raise ValueError("a token tree's drafts are point masses: send no distributions with parents")
+
+    @property
+    def tree(self) -> DraftTree:
+        return DraftTree.from_wire(self.token_ids, self.parents)
 
     def truncated(self, k: int) -> DraftProposal:
-        """The first k draft tokens: a prefix of a block is itself a valid block."""
+        """The first k draft tokens (of a tree: its first k nodes): a prefix of a block is itself a valid block."""
         if k >= len(self.token_ids):
             return self
         dists = None if self.distributions is None else self.distributions[:k]
-        return DraftProposal(self.token_ids[:k], dists, self.draft_time_ns, self.alternatives[:k])
+        return DraftProposal(self.token_ids[:k], dists, self.draft_time_ns, self.alternatives[:k], self.parents[:k])
 
 
 @dataclass(frozen=True)

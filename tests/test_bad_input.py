@@ -536,7 +536,13 @@ async def test_no_session_leaked(cluster):
         common_pb2.DraftDistribution(token_ids=list(range(1025)), probs=[1 / 1025] * 1025)]), "1024 entries"),
     (drafter_pb2.DraftBlock(anchor_len=5, draft_token_ids=[1], draft_distributions=[
         common_pb2.DraftDistribution(token_ids=[1], probs=[1.0])] * 2), "one distribution per draft token"),
-], ids=["too-many-drafts", "too-many-assumed", "distribution-too-wide", "more-distributions-than-drafts"])
+    (drafter_pb2.DraftBlock(anchor_len=5, draft_token_ids=[1, 2], parent_indices=[-1]), "one parent index per draft token"),
+    (drafter_pb2.DraftBlock(anchor_len=5, draft_token_ids=[1, 2], parent_indices=[-1, 1]), "earlier node"),
+    (drafter_pb2.DraftBlock(anchor_len=5, draft_token_ids=[1, 1], parent_indices=[-1, -1]), "siblings must differ"),
+    (drafter_pb2.DraftBlock(anchor_len=5, draft_token_ids=[1], parent_indices=[-1], draft_distributions=[
+        common_pb2.DraftDistribution(token_ids=[1], probs=[1.0])]), "point masses"),
+], ids=["too-many-drafts", "too-many-assumed", "distribution-too-wide", "more-distributions-than-drafts",
+        "parents-short", "parent-after-child", "same-token-siblings", "tree-with-distributions"])
 def test_an_oversized_draft_block_is_refused_before_it_is_copied(block, word):
     """What a verifier takes from a drafter is bounded too: a bad block fails the link (the verifier
     then decodes alone, tests/test_worker_failure.py), never the verifier."""

@@ -162,3 +162,18 @@ def test_rejection_over_trees_keeps_the_target_distribution():
         counts[committed[3:5]] += 1
     tv = 0.5 * sum(abs(counts[pair] / samples - p) for pair, p in exact.items())
     assert tv < 0.05, tv  # 0.019 with these seeds; the rule without renormalisation gives 0.11
+
+
+def test_a_tree_block_survives_the_wire():
+    from specdec.core.steps import DraftBlock, DraftProposal
+    from specdec.rpc import wire
+
+    block = DraftBlock(7, (3,), DraftProposal(TREE_BLOCK.token_ids, parents=TREE_BLOCK.parents))
+    back = wire.block_from_pb(wire.block_to_pb(block))
+    assert back == block and back.proposal.tree == TREE_BLOCK
+    assert back.proposal.truncated(2).tree == DraftTree(TREE_BLOCK.token_ids[:2], TREE_BLOCK.parents[:2])
+    chain = wire.block_from_pb(wire.block_to_pb(DraftBlock(7, (), DraftProposal((4, 5)))))
+    assert chain.proposal.parents == () and chain.proposal.tree.is_chain
+
+
+TREE_BLOCK = DraftTree((5, 6, 7, 8), (ROOT, ROOT, 0, 0))

@@ -83,7 +83,8 @@ def _dists_from_pb(pbs) -> tuple[SparseDistribution, ...] | None:
 def block_to_pb(b: DraftBlock) -> drafter_pb2.DraftBlock:
     p = b.proposal
     return drafter_pb2.DraftBlock(anchor_len=b.anchor_len, assumed_ids=b.assumed_ids, draft_token_ids=p.token_ids,
-                                  draft_distributions=_dists_to_pb(p.distributions), draft_time_ns=p.draft_time_ns)
+                                  draft_distributions=_dists_to_pb(p.distributions), draft_time_ns=p.draft_time_ns,
+                                  parent_indices=p.parents)
 
 
 def block_from_pb(pb: drafter_pb2.DraftBlock) -> DraftBlock:
@@ -95,7 +96,14 @@ def block_from_pb(pb: drafter_pb2.DraftBlock) -> DraftBlock:
             max(len(d.token_ids), len(d.probs)) > MAX_DISTRIBUTION_ENTRIES for d in pb.draft_distributions):
         raise InvalidRequest(f"a draft block carries one distribution per draft token, each of at most "
                              f"{MAX_DISTRIBUTION_ENTRIES} entries")
-    proposal = DraftProposal(tuple(pb.draft_token_ids), _dists_from_pb(pb.draft_distributions), pb.draft_time_ns)
+    if pb.parent_indices and len(pb.parent_indices) != len(pb.draft_token_ids):
+        raise InvalidRequest(f"a token tree's block carries one parent index per draft token: {len(pb.draft_token_ids)} "
+                             f"tokens, {len(pb.parent_indices)} parent indices")
+    try:
+        proposal = DraftProposal(tuple(pb.draft_token_ids), _dists_from_pb(pb.draft_distributions), pb.draft_time_ns,
+                                 parents=tuple(pb.parent_indices))
+    except ValueError as exc:  # a malformed tree
+        raise InvalidRequest(f"bad token tree in a draft block: {exc}") from exc
     return DraftBlock(pb.anchor_len, tuple(pb.assumed_ids), proposal)
 
 

@@ -28,15 +28,17 @@ class StepOutcome(_message.Message):
     def __init__(self, committed_len: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("anchor_len", "assumed_ids", "draft_token_ids", "draft_distributions", "draft_time_ns")
+    __slots__ = ("anchor_len", "assumed_ids", "draft_token_ids", "draft_distributions", "draft_time_ns", "parent_indices")
     ANCHOR_LEN_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_INDICES_FIELD_NUMBER: _ClassVar[int]
     anchor_len: int
     assumed_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftDistribution]
     draft_time_ns: int
-    def __init__(self, anchor_len: _Optional[int] = ..., assumed_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., draft_time_ns: _Optional[int] = ...) -> None: ...
+    parent_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, anchor_len: _Optional[int] = ..., assumed_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., draft_time_ns: _Optional[int] = ..., parent_indices: _Optional[_Iterable[int]] = ...) -> None: ...
