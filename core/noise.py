@@ -29,8 +29,10 @@ Bit-identity: unsigned integer arithmetic wraps by definition, so every w is the
 (tests/test_coupled.py holds it to pure-Python SplitMix64). log1p and log are elementwise torch
 kernels; on one build they give the same bits whatever the thread count, the process, or where the
 element sits in the block (tested). Another build or vector unit could differ in a last bit, which
-changes a token only at an exact float32 tie. Noise is therefore computed on the CPU; move it with
-``.to(device)``.
+changes a token only at an exact float32 tie. Noise is therefore computed on the CPU whatever the
+logits' device, and moved there once (``device``): the hashing would give the same bits in int64 torch
+ops on a GPU, but CUDA's float32 log and log1p are not the CPU's, and a CPU drafter and a GPU
+verifier (or two replicas) must draw the very same noise. Its cost on a GPU verifier: docs/operations.md, Devices.
 
 Cost: a small fraction of a verify step, about half of it the two logs and a quarter the hashing
 (measured per block size: docs/performance.md, 3).
@@ -44,7 +46,7 @@ import torch
 
 from specdec.core import rng
 
-# Beside specdec.core.rng.Stream's DRAFT_SAMPLE = 1, ACCEPT = 2, TARGET_SAMPLE = 3: hashed into every
+# Beside specdec.core.rng.Stream's DRAFT_SAMPLE = 1, ACCEPT = 2, TARGET_SAMPLE = 3, TREE_ACCEPT = 5: hashed into every
 # row key, so renumbering it changes every seeded coupled output.
 GUMBEL_STREAM = 4
 
@@ -111,13 +113,15 @@ def noise_uniforms(seed: int, positions: Sequence[int] | torch.Tensor, vocab: in
     return v.double().add_(0.5).mul_(2.0**-32).float().clamp_max_(_MAX_UNIFORM)
 
 
-def gumbel_noise(seed: int, positions: Sequence[int] | torch.Tensor, vocab: int) -> torch.Tensor:
-    """Standard Gumbel noise for each (position, token id): [len(positions), vocab] float32, on the CPU.
+def gumbel_noise(seed: int, positions: Sequence[int] | torch.Tensor, vocab: int,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """Standard Gumbel noise for each (position, token id): [len(positions), vocab] float32 on ``device``.
 
     g = -log(-log(1 - w)) for the uniforms w of :func:`noise_uniforms`. Row i depends only on
     (seed, positions[i]) and entry [i, t] only on (seed, positions[i], t): not on the other positions
-    in the block, nor on the thread count. Uses no global RNG.
+    in the block, nor on the thread count. Uses no global RNG. Computed on the CPU on every device
+    (the module docstring says why), so the same bits everywhere.
     """
     w = noise_uniforms(seed, positions, vocab)  # [rows, vocab]
     # -log(1 - w) = -log1p(-w): exact inputs and full precision for small w, i.e. for the largest noise.
-    return w.neg_().log1p_().neg_().log_().neg_()
+    return w.neg_().log1p_().neg_().log_().neg_().to(device)

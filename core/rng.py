@@ -23,7 +23,7 @@ class Stream(enum.IntEnum):
     TARGET_SAMPLE = 3  # the verifier samples a recovered or bonus token at this position
     # The accept test of a token tree's later sibling at this position (the first uses ACCEPT, so a
     # chain-shaped tree decides as the chain does): keyed by position and the sibling's rank.
-    TREE_ACCEPT = 4
+    TREE_ACCEPT = 5  # (4 is specdec.core.noise.GUMBEL_STREAM)
 
 
 def _mix(x: int) -> int:
