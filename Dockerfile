@@ -1,14 +1,23 @@
 # One image for every role: `specdec serve orchestrator|draft|target`, `specdec autoscale`, ...
 #
 #   docker build -t specdec:0.1.0 .                                              # CPU torch (default)
-#   docker build --build-arg TORCH_VARIANT=cu128 -t specdec:0.1.0-cu128 .        # CUDA 12.8 torch
+#   docker build -t REGISTRY/specdec:0.1.0-cu128 \
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .          # CUDA 12.8 torch
 #
-# TORCH_VARIANT names a wheel index of download.pytorch.org (cpu, cu126, cu128, ...: use one that
-# has torch 2.13.0); TORCH_INDEX overrides the whole URL (a mirror). The image holds no model:
-# models are mounted at /models (deploy/), and the HF libraries are told never to download.
-FROM python:3.11-slim
+# BASE_IMAGE: any Debian or Ubuntu image; one without python3 (the nvidia/cuda images) gets its
+# distribution's (Ubuntu 24.04: Python 3.12, which specdec supports). specdec runs from a virtual
+# environment in /opt/venv either way. TORCH_INDEX: a wheel index of download.pytorch.org (whl/cpu,
+# whl/cu126, whl/cu128, ...) or a mirror; TORCH_VARIANT=cu128 is the short form of the line above.
+# TORCH_SPEC: the torch requirement taken from that index (pyproject.toml admits any torch >= 2.11;
+# pick a version the index has for the base image's Python). A CUDA build of torch carries its own
+# CUDA libraries: the base image only has to match the node's driver (the NVIDIA container toolkit
+# mounts the driver in). The image holds no model: models are mounted at /models (deploy/), and
+# the HF libraries are told never to download.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
-ARG TORCH_VERSION=2.13.0
+ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_VARIANT=cpu
 ARG TORCH_INDEX=https://download.pytorch.org/whl/${TORCH_VARIANT}
 
@@ -16,6 +25,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH \
     # Never reach a model hub: a missing model is an error at start-up, not a download.
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
@@ -23,9 +33,19 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HOME=/tmp/hf \
     XDG_CACHE_HOME=/tmp/cache
 
+# Python where the base image has none (nvidia/cuda), then a virtual environment: a distribution's
+# own Python refuses pip installs into it (PEP 668), and one layout serves both kinds of base.
+RUN if ! command -v python3 >/dev/null 2>&1 || ! python3 -c "import venv, ensurepip" >/dev/null 2>&1; then \
+        apt-get update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3 python3-venv ca-certificates \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && python3 -m venv /opt/venv
+
 # torch first, from the chosen index, in a layer of its own (the big one, rebuilt only when the
-# variant changes). `pip install .[server]` below then finds torch==2.13.0 satisfied (2.13.0+cpu is 2.13.0).
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
+# index or the spec changes). `pip install .[server]` below then finds torch>=2.11 satisfied and
+# keeps this build (CPU or CUDA).
+RUN pip install "${TORCH_SPEC}" --index-url "${TORCH_INDEX}"
 
 WORKDIR /src
 COPY pyproject.toml README.md ./

@@ -15,11 +15,14 @@ whatever else shares the batch: every op here is elementwise, an exact selection
 top-k values, comparisons, gathers), or a reduction along one row (softmax, cumsum) that gives a row
 the same bits inside [rows, vocab] as alone. tests/test_batch_rules.py holds both claims. Words
 (draft, accepted, recovered, bonus tokens) as in specdec.core.rejection.
+
+Every tensor is made on the logits' device, and the decisions of a whole call come back to the host
+in one transfer (tests/test_device.py holds both).
 """
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,20 +65,29 @@ def decide_batch(logits: torch.Tensor, steps: Sequence[RuleStep]) -> list[Outcom
     """
     ks = [len(s.draft_ids) for s in steps]
     _check(logits, steps, ks)
-    if len(steps) == 1:  # the per-session rule itself: cheaper than building a layout for one step
-        return [decide_one(logits, steps[0])]
+    if len(steps) <= 1:  # the per-session rule itself: cheaper than building a layout for one step
+        return [decide_one(logits, step) for step in steps]
     groups: dict[str, list[int]] = {"greedy": [], "coupled": [], "rejection": []}
     for i, step in enumerate(steps):
         rule = "greedy" if step.sampling.greedy else "coupled" if step.sampling.coupled else "rejection"
         groups[rule].append(i)
-    outcomes: list[Outcome | None] = [None] * len(steps)
+    decided: list[tuple[list[int], Decided]] = []
     for rule, indices in groups.items():
         if not indices:
             continue
         group = [steps[i] for i in indices]
         rows = logits if len(indices) == len(steps) else logits[_group_rows(ks, indices, logits.device)]
-        for i, outcome in zip(indices, _DECIDERS[rule](rows, group, _Layout.of(group, logits.device))):
+        decided.append((indices, _DECIDERS[rule](rows, group, _Layout.of(group, logits.device))))
+    # Every group's decisions leave the logits' device together: one transfer per verify step, whatever
+    # the number of sessions (each one a sync with the device where it is a GPU).
+    values = torch.cat([d.values for _, d in decided]).tolist()
+    outcomes: list[Outcome | None] = [None] * len(steps)
+    at = 0
+    for indices, d in decided:
+        n = d.values.numel()
+        for i, outcome in zip(indices, d.outcomes(values[at : at + n])):
             outcomes[i] = outcome
+        at += n
     return outcomes
 
 
@@ -86,17 +98,18 @@ def decide_one(logits: torch.Tensor, step: RuleStep) -> Outcome:
     if sampling.greedy:
         return greedy_verify(step.draft_ids, logits)
     if sampling.coupled:
-        noise = gumbel_noise(sampling.seed, range(n, n + k + 1), logits.shape[-1])  # [k+1, vocab]
+        noise = gumbel_noise(sampling.seed, range(n, n + k + 1), logits.shape[-1], logits.device)  # [k+1, vocab]
         return coupled_verify_one(step.draft_ids, processed_logprobs(logits, sampling), noise)
+    device = logits.device
     output, num_accepted = rejection_sample(
-        draft_token_ids=torch.tensor([step.draft_ids], dtype=torch.long).reshape(1, k),  # [1, k]
-        draft_probs=None if step.draft_probs is None else step.draft_probs[None],  # [1, k, vocab]
+        draft_token_ids=torch.tensor([step.draft_ids], dtype=torch.long, device=device).reshape(1, k),  # [1, k]
+        draft_probs=None if step.draft_probs is None else step.draft_probs[None].to(device),  # [1, k, vocab]
         target_probs=probs_from_logits(logits, sampling)[None],  # [1, k+1, vocab]
-        accept_uniforms=rng.uniforms(sampling.seed, rng.Stream.ACCEPT, range(n, n + k))[None],  # [1, k]
-        sample_uniforms=rng.uniforms(sampling.seed, rng.Stream.TARGET_SAMPLE, range(n, n + k + 1))[None],  # [1, k+1]
+        accept_uniforms=rng.uniforms(sampling.seed, rng.Stream.ACCEPT, range(n, n + k), device)[None],  # [1, k]
+        sample_uniforms=rng.uniforms(sampling.seed, rng.Stream.TARGET_SAMPLE, range(n, n + k + 1), device)[None],  # [1, k+1]
     )
-    accepted = int(num_accepted[0])
-    return tuple(int(t) for t in output[0, : accepted + 1]), accepted
+    accepted, *ids = torch.cat([num_accepted, output[0]]).tolist()  # one transfer: [1 + k + 1]
+    return tuple(ids[: accepted + 1]), accepted
 
 
 # ----------------------------------------------------------------------------- layout
@@ -162,31 +175,47 @@ def _tensor(values: list, dtype: type, device: torch.device) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- the rules
-def _decide_greedy(logits: torch.Tensor, steps: Sequence[RuleStep], layout: _Layout) -> list[Outcome]:
+@dataclass(frozen=True)
+class Decided:
+    """A group's decisions, still on the logits' device: ``values`` [n] int64, turned into outcomes by
+    ``outcomes`` once they are on the host (decide_batch moves every group's at once)."""
+
+    values: torch.Tensor  # [n] int64
+    outcomes: Callable[[list[int]], list[Outcome]]
+
+
+def _decide_greedy(logits: torch.Tensor, steps: Sequence[RuleStep], layout: _Layout) -> Decided:
     # argmax breaks ties to the lowest id, row by row, as greedy_verify's does.
     return _exact_match(logits.argmax(dim=-1), layout)
 
 
-def _decide_coupled(logits: torch.Tensor, steps: Sequence[RuleStep], layout: _Layout) -> list[Outcome]:
+def _decide_coupled(logits: torch.Tensor, steps: Sequence[RuleStep], layout: _Layout) -> Decided:
     logprobs = _target_probs(logits, steps, layout).log_()  # [R, vocab], processed_logprobs of each row
     vocab = logits.shape[-1]
-    # The noise of (seed, position): one call per session, as its rows have their own seed.
+    # The noise of (seed, position): one call per session, as its rows have their own seed; made on
+    # the CPU and moved once for the group (core/noise.py says why it is not made on the device).
     noise = torch.cat([gumbel_noise(s.sampling.seed, range(s.position, s.position + s.k + 1), vocab) for s in steps])
     return _exact_match(logprobs.add_(noise.to(logprobs.device)).argmax(dim=-1), layout)
 
 
-def _exact_match(target_ids: torch.Tensor, layout: _Layout) -> list[Outcome]:
+def _exact_match(target_ids: torch.Tensor, layout: _Layout) -> Decided:
     """Greedy and coupled verification: draft tokens are accepted up to the first that differs from
     the target's own token ``target_ids`` [R]; the tokens to commit are then the target's own up to
     and including that place (accepted draft tokens equal them)."""
     num_accepted = layout.num_accepted(layout.drafts == target_ids[layout.draft_rows])  # [B]
-    ids = target_ids.tolist()
-    return [(tuple(ids[start : start + accepted + 1]), accepted)
-            for start, accepted in zip(layout.starts_list, num_accepted.tolist())]
+    steps = len(layout.starts_list)
+
+    def outcomes(values: list[int]) -> list[Outcome]:  # [B] num_accepted, then [R] target_ids
+        ids = values[steps:]
+        return [(tuple(ids[start : start + accepted + 1]), accepted)
+                for start, accepted in zip(layout.starts_list, values[:steps])]
+
+    return Decided(torch.cat([num_accepted, target_ids]), outcomes)
 
 
-def _decide_rejection(logits: torch.Tensor, steps: Sequence[RuleStep], layout: _Layout) -> list[Outcome]:
-    """rejection_sample over every step of the group at once (its docstring has the rule)."""
+def _decide_rejection(logits: torch.Tensor, steps: Sequence[RuleStep], layout: _Layout) -> Decided:
+    """rejection_sample over every step of the group at once (its docstring has the rule), without a
+    sync with the device: every step is computed as if rejected, and the selection made by where."""
     target_probs = _target_probs(logits, steps, layout)  # [R, vocab]
     vocab, device = target_probs.shape[-1], target_probs.device
     drafts = layout.drafts  # [D]
@@ -195,9 +224,10 @@ def _decide_rejection(logits: torch.Tensor, steps: Sequence[RuleStep], layout: _
     has_probs = _tensor([d for d, s in zip(dense, steps) for _ in range(s.k)], np.bool_, device)  # [D]
     draft_probs = (torch.cat([s.draft_probs for d, s in zip(dense, steps) if d]).to(device, target_probs.dtype)
                    if any(dense) else None)  # [Dq, vocab]
+    rows_in_sent = (torch.cumsum(has_probs.long(), 0) - 1).clamp_min_(0)  # [D] its row in draft_probs, where it has one
     q_x = torch.ones(len(drafts), dtype=target_probs.dtype, device=device)  # [D]
     if draft_probs is not None:
-        q_x[has_probs] = draft_probs.gather(-1, drafts[has_probs].unsqueeze(-1)).squeeze(-1)
+        q_x = torch.where(has_probs, draft_probs[rows_in_sent, drafts], q_x)
     p_x = target_probs[layout.draft_rows, drafts]  # [D]
     accept_uniforms = _tensor([rng.uniform(s.sampling.seed, rng.Stream.ACCEPT, s.position + j)
                                for s in steps for j in range(s.k)], np.float64, device)  # [D]
@@ -206,25 +236,27 @@ def _decide_rejection(logits: torch.Tensor, steps: Sequence[RuleStep], layout: _
     num_accepted = layout.num_accepted(accepted)  # [B]
 
     final_probs = target_probs[layout.starts + num_accepted]  # [B, vocab]: the bonus rows, until replaced
-    rejected = (num_accepted < layout.ks).nonzero().squeeze(1)  # [Br] steps with a recovered token
-    if len(rejected):
-        at = layout.first_drafts[rejected] + num_accepted[rejected]  # [Br] the rejected draft tokens
+    if drafts.numel():
+        rejected = num_accepted < layout.ks  # [B] steps with a recovered token
+        at = (layout.first_drafts + num_accepted).clamp_max_(drafts.numel() - 1)  # [B] each one's rejected draft token
         # Their draft distributions: one-hot for point masses (as rejection_sample builds them), else sent.
-        rejected_draft = torch.nn.functional.one_hot(drafts[at], vocab).to(target_probs.dtype)  # [Br, vocab]
+        rejected_draft = torch.nn.functional.one_hot(drafts[at], vocab).to(target_probs.dtype)  # [B, vocab]
         if draft_probs is not None:
-            sent = has_probs[at]
-            rows_in_sent = torch.cumsum(has_probs.long(), 0) - 1  # [D] row in draft_probs of each that has one
-            rejected_draft[sent] = draft_probs[rows_in_sent[at[sent]]]
-        target_at = final_probs[rejected]  # [Br, vocab]
-        residual = (target_at - rejected_draft).clamp_min(0)
+            rejected_draft = torch.where(has_probs[at, None], draft_probs[rows_in_sent[at]], rejected_draft)
+        residual = (final_probs - rejected_draft).clamp_min_(0)
         # An empty residual (p <= q everywhere) falls back to the target's distribution, as there.
-        empty = residual.sum(-1, keepdim=True) <= 0
-        final_probs[rejected] = torch.where(empty, target_at, residual)
-    accepted_counts = num_accepted.tolist()
-    sample_uniforms = _tensor([rng.uniform(s.sampling.seed, rng.Stream.TARGET_SAMPLE, s.position + a)
-                               for s, a in zip(steps, accepted_counts)], np.float64, device)  # [B]
-    final_tokens = sample_from(final_probs, sample_uniforms).tolist()  # [B], row by row as sample_from is
-    return [((*s.draft_ids[:a], token), a) for s, a, token in zip(steps, accepted_counts, final_tokens)]
+        use_residual = rejected[:, None] & (residual.sum(-1, keepdim=True) > 0)  # [B, 1]
+        final_probs = torch.where(use_residual, residual, final_probs)
+    # Every place's uniform, k+1 per step as rejection_sample takes them; the accepted count picks one.
+    sample_uniforms = _tensor([rng.uniform(s.sampling.seed, rng.Stream.TARGET_SAMPLE, s.position + j)
+                               for s in steps for j in range(s.k + 1)], np.float64, device)  # [R]
+    final_tokens = sample_from(final_probs, sample_uniforms[layout.starts + num_accepted])  # [B], row by row
+    count = len(steps)
+
+    def outcomes(values: list[int]) -> list[Outcome]:  # [B] num_accepted, then [B] final tokens
+        return [((*s.draft_ids[:a], token), a) for s, a, token in zip(steps, values[:count], values[count:])]
+
+    return Decided(torch.cat([num_accepted, final_tokens]), outcomes)
 
 
 _DECIDERS = {"greedy": _decide_greedy, "coupled": _decide_coupled, "rejection": _decide_rejection}

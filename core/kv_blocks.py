@@ -61,7 +61,7 @@ def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype, numerics: str 
     h.update(str(dtype).encode())
     if numerics != "fast":  # fast mode's fingerprint stays what blocks already stored carry
         h.update(numerics.encode())
-    first = next(model.parameters()).detach().flatten()[:4096].float().contiguous()
+    first = next(model.parameters()).detach().flatten()[:4096].float().cpu().contiguous()  # (a model on a GPU too)
     h.update(first.numpy().tobytes())
     return h.digest()[:16]
 
@@ -113,3 +113,44 @@ def decode_block(data: bytes, layout: BlockLayout, start: int, token_ids: Sequen
         raise CorruptBlock("checksum mismatch")
     flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     return flat.view(layout.dtype).view(layout.layers, 2, layout.kv_heads, b, layout.head_dim)
+
+
+class HostCopy:
+    """A tensor's copy into host memory, started without waiting and read later.
+
+    On a CUDA device the copy goes into a pinned buffer with ``non_blocking`` on the current stream,
+    after the forward that computed it, and an event marks its end: the model's thread queues it and
+    goes on, and whoever reads it (the KV store's writer) waits for the event. Stream order keeps it
+    right: later forwards that reuse the pages run after the copy. A host tensor is copied at once
+    (a slot may be reused after its session closes, before the writer reads)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event = None
+        if tensor.device.type == "cuda":
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor.to("cpu", copy=True)
+
+    def tensor(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
+
+
+@dataclass(frozen=True)
+class PendingBlock:
+    """A block whose bytes are made when written (`encode`), off the model's thread."""
+
+    layout: BlockLayout
+    start: int
+    token_ids: tuple[int, ...]  # the sequence's ids up to start + block_tokens
+    kv: HostCopy  # [layers, 2, kv_heads, n, head_dim] holding the block at ``offset``
+    offset: int
+
+    def encode(self) -> bytes:
+        b = self.layout.block_tokens
+        return encode_block(self.layout, self.start, self.token_ids, self.kv.tensor()[:, :, :, self.offset:self.offset + b])

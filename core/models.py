@@ -42,12 +42,14 @@ class LoadedModel:
         return self.tokenizer.eos_token_id
 
 
-def load_causal_lm(path: str | Path, dtype: str | torch.dtype = torch.float32, threads: int | None = None) -> LoadedModel:
+def load_causal_lm(path: str | Path, dtype: str | torch.dtype = torch.float32, threads: int | None = None,
+                   device: str | torch.device = "cpu") -> LoadedModel:
     """Load ``AutoModelForCausalLM`` and ``AutoTokenizer`` from a local folder; never from a hub.
 
-    ``dtype``: float32 (the default) or bfloat16 (a name or the dtype); bfloat16 only where the CPU
-    computes it natively (cpuinfo avx512_bf16 or amx_bf16; elsewhere it is emulated, several times
-    slower), else ValueError naming what the CPU has. The weights are loaded in that dtype.
+    ``dtype``: float32 (the default) or bfloat16 (a name or the dtype); on the CPU, bfloat16 only where
+    the CPU computes it natively (cpuinfo avx512_bf16 or amx_bf16; elsewhere it is emulated, several
+    times slower), else ValueError naming what the CPU has. The weights are loaded in that dtype,
+    straight onto ``device`` (cpu, cuda, cuda:N).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -56,7 +58,9 @@ def load_causal_lm(path: str | Path, dtype: str | torch.dtype = torch.float32, t
 
     folder = Path(path)
     dtype = resolve_dtype(dtype)
-    check_dtype_supported(dtype, f"model {folder}")  # before minutes of loading
+    device = torch.device(device)
+    if device.type == "cpu":
+        check_dtype_supported(dtype, f"model {folder}")  # before minutes of loading
     if not (folder / "config.json").is_file():
         raise ModelNotFound(f"no model at {folder}: expected a folder saved with save_pretrained (config.json, *.safetensors, tokenizer files)")
     if threads:
@@ -66,34 +70,41 @@ def load_causal_lm(path: str | Path, dtype: str | torch.dtype = torch.float32, t
 
         check_exact_rollback(AutoConfig.from_pretrained(folder, local_files_only=True), folder)
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, **_placement(device))
     except (OSError, ValueError) as exc:
         raise ModelNotFound(f"could not load a causal LM from {folder}: {exc}") from exc
+    if device.type != "cpu" and model.device.type == "cpu":  # loaded on the CPU (no accelerate): moved once
+        model.to(device)
     model.eval()
     context = int(getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length)
     vocab = int(model.get_output_embeddings().weight.shape[0])
     return LoadedModel(str(folder), model, tokenizer, vocab, context)
 
 
+def _placement(device: torch.device) -> dict:
+    """from_pretrained's arguments that put the weights on ``device`` as they load (no copy on the CPU
+    first). transformers takes a device_map only with accelerate installed; without it the model loads
+    on the CPU and `load_causal_lm` moves it."""
+    import importlib.util
+
+    if device.type == "cpu" or importlib.util.find_spec("accelerate") is None:
+        return {}
+    return {"device_map": str(device)}
+
+
 def check_exact_rollback(config, folder: str | Path) -> None:
     """Refuse, at load, a model whose cache cannot be cut back to any length exactly.
 
-    Speculation rolls the KV cache back after every rejection. A sliding-window layer that has
-    filled its window has already dropped the entries a rollback would need (HF's cache then refuses
-    to crop), and a recurrent layer (Mamba, linear attention) keeps no per-token state to cut.
-    A window as long as the context never slides, so it is fine."""
-    context = int(getattr(config, "max_position_embeddings", 0) or 0)
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) is not False and (not context or window < context):
-        raise UnsupportedModel(
-            f"model {folder} sets sliding_window={window} (config.json) below its context of {context} tokens: specdec "
-            "cannot roll a sliding-window cache back exactly once the window fills. Serve a model without a sliding window "
-            "(or, if it was trained with full attention, set sliding_window to null)")
-    # Sliding layers are covered by the window check above; anything else but full attention is recurrent.
+    Speculation rolls the KV cache back after every rejection. A recurrent layer (Mamba, linear
+    attention) keeps no per-token state to cut, so it is refused. Sliding-window attention (Mistral,
+    Qwen2's sliding layers) is served: the paged runner (core/paged_runner.py) keeps every position
+    of the cache and masks the keys older than the window, so a rollback never needs a dropped entry
+    (a rolling buffer, such as HF's sliding cache, would; the verifier never uses one)."""
+    # Anything but full or sliding attention is recurrent.
     recurrent = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
     if recurrent:
         raise UnsupportedModel(f"model {folder} has layer types {recurrent} (config.json layer_types): specdec serves only "
-                               "layers whose cache can be cut back to any length (full attention)")
+                               "layers whose cache can be cut back to any length (full or sliding-window attention)")
 
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:

@@ -77,12 +77,12 @@ def rejection_sample(
     empty = residual.sum(-1, keepdim=True) <= 0
     residual = torch.where(empty, target_probs[:, :k], residual)
     final_dists = torch.cat([residual, target_probs[:, k:]], dim=1)  # [batch, k + 1, vocab]
-    rows = torch.arange(batch)
+    rows = torch.arange(batch, device=target_probs.device)
     final_dist = final_dists[rows, num_accepted]  # [batch, vocab]
     final_token = sample_from(final_dist, sample_uniforms[rows, num_accepted])  # [batch]
 
-    positions = torch.arange(k + 1).expand(batch, k + 1)  # [batch, k + 1]
-    padded_drafts = torch.cat([draft_token_ids, torch.full((batch, 1), -1, dtype=torch.long)], dim=1)
+    positions = torch.arange(k + 1, device=target_probs.device).expand(batch, k + 1)  # [batch, k + 1]
+    padded_drafts = torch.cat([draft_token_ids, torch.full((batch, 1), -1, dtype=torch.long, device=draft_token_ids.device)], dim=1)
     output_ids = torch.where(positions < num_accepted[:, None], padded_drafts, torch.full_like(padded_drafts, -1))
     output_ids[rows, num_accepted] = final_token
     return output_ids, num_accepted

@@ -3,13 +3,15 @@
 A batch of feeds (sequence cache, start position, tokens, how many logits) goes in, each feed's
 logits come out; caches are created, truncated and freed through the runner. Everything above it
 (KV bookkeeping with rollback in core/kv.py, the verifier's batching, the samplers) never reaches
-into the model, so another backend (a GPU runner with paged attention) implements these four
-methods and nothing else. The KV bookkeeping (core/kv.py) imports this module, never the reverse.
-Two implementations: the lean Llama forward, which runs a whole batch in one forward, and the
-Hugging Face fallback, which runs the feeds one after another.
+into the model, so another backend implements these methods and nothing else. The KV bookkeeping
+(core/kv.py) imports this module, never the reverse. Three implementations: the lean Llama forward
+on the CPU, which runs a whole batch in one forward; the paged runner (core/paged_runner.py), on
+any device, every sequence's KV in one page pool; and the Hugging Face fallback, which runs the
+feeds one after another on the model's device.
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -53,6 +55,13 @@ class ModelRunner(Protocol):
     def forward(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
         """Feed every sequence its tokens; logits ``[num_last, vocab]`` float32 per feed, in order."""
 
+    def read_kv(self, cache: object, lo: int, hi: int) -> torch.Tensor:
+        """Keys and values of positions [lo, hi): ``[layers, 2 (k, v), kv_heads, hi - lo, head_dim]``
+        (the layout core/kv_blocks.py encodes), on the runner's device."""
+
+    def write_prefix(self, cache: object, kv: torch.Tensor) -> None:
+        """Adopt ``kv`` (as `read_kv` returns it) as positions [0, n) of ``cache`` (stored KV blocks)."""
+
 
 class LeanRunner:
     """specdec.core.llama_decode: one forward for the whole batch; a cache is a slot of the decoder's pool."""
@@ -69,6 +78,12 @@ class LeanRunner:
     def free(self, cache) -> None:
         cache.free()  # the slot goes back to the pool now (else when the cache is garbage)
 
+    def read_kv(self, cache, lo: int, hi: int) -> torch.Tensor:
+        return cache.buf[:, :, :, lo:hi]  # a view of the slot
+
+    def write_prefix(self, cache, kv: torch.Tensor) -> None:
+        self.decoder.write_prefix(cache, kv)
+
     def forward(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
         if len(feeds) == 1:  # the sequence path: no flattening to do
             f = feeds[0]
@@ -78,10 +93,14 @@ class LeanRunner:
 
 
 class HFRunner:
-    """The model's own Hugging Face forward and DynamicCache, one feed at a time (the reference path)."""
+    """The model's own Hugging Face forward and DynamicCache, one feed at a time, on the model's device
+    (the reference path; no `read_kv`/`write_prefix`: its sessions keep no KV blocks)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        # transformers renamed the forward's `past_key_values` to `cache` during 5.x (the later name
+        # warns of the earlier): pass the one this version's forward names.
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -97,9 +116,10 @@ class HFRunner:
     @torch.inference_mode()
     def forward(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
         out = []
+        device = self.model.get_input_embeddings().weight.device
         for f in feeds:
-            result = self.model(input_ids=torch.tensor([list(f.token_ids)]), cache=f.cache, use_cache=True,
-                                logits_to_keep=f.num_last)
+            result = self.model(input_ids=torch.tensor([list(f.token_ids)], device=device), use_cache=True,
+                                logits_to_keep=f.num_last, **{self.cache_arg: f.cache})
             out.append(result.logits[0].float())
         return out
 

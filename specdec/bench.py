@@ -29,7 +29,20 @@ from specdec import bench_load, bench_report
 from specdec.bench_common import bench_prompts
 from specdec.bench_methods import BASELINE, DEFAULT_KS, BenchConfig, Method, all_methods, select
 from specdec.bench_runners import BenchError, Deployment, Run, Runners, until_exit_or
-from specdec.cli_common import ENV_DRAFT, ENV_REDIS, ENV_TARGET, UsageError, model_path, probability_below_one, target_numerics
+from specdec.cli_common import (
+    DTYPE_CHOICES,
+    ENV_DRAFT,
+    ENV_REDIS,
+    ENV_TARGET,
+    RUNNER_CHOICES,
+    UsageError,
+    device_arg,
+    draft_placement,
+    fraction,
+    model_path,
+    probability_below_one,
+    target_placement,
+)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -120,8 +133,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "`specdec up`'s processes 1 each)")
     p.add_argument("--draft-min-confidence", type=probability_below_one, default=0.0, metavar="P",
                    help="the drafter ends a block after a token it gives less than P probability (default 0: blocks of k)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="the target's precision in specdec's methods; in bfloat16 outputs are compared with specdec's own k = 0")
+    p.add_argument("--device", type=device_arg, default=None, metavar="auto|cpu|cuda|cuda:N",
+                   help="the target's device in every method, the transformers baseline's too (default auto: cuda when "
+                        "visible, else cpu)")
+    p.add_argument("--draft-device", type=device_arg, default=None, metavar="auto|cpu|cuda|cuda:N",
+                   help="the draft's device in specdec's methods (default auto)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                   help="the target's precision in specdec's methods (default auto: bfloat16 on CUDA, float32 on the CPU); "
+                        "in bfloat16 outputs are compared with specdec's own k = 0")
+    p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None,
+                   help="the draft's precision (default auto: bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--runner", choices=RUNNER_CHOICES, default="auto",
+                   help="the target's model runner in specdec's methods (default auto, as `specdec generate --runner`)")
+    p.add_argument("--kv-memory-fraction", type=fraction, default=None, metavar="F",
+                   help="paged runner on CUDA: the target's KV page pool as this fraction of the device's free memory")
     p.add_argument("--numerics", choices=("auto", "exact", "fast"), default="auto",
                    help="the target's numerics in specdec's methods (docs/guarantees.md)")
     p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png (default ./bench-results)")
@@ -155,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
     config = BenchConfig(target, model_path(args.draft, ENV_DRAFT, "draft"), tuple(prompts), args.max_new_tokens, ks,
                          tuple(p.strip() for p in args.methods.split(",") if p.strip()), not args.skip_distributed,
                          args.redis_url, Path(args.out), source, threads, args.draft_min_confidence,
-                         **target_numerics(args.dtype, args.numerics))
+                         **target_placement(args.device, args.dtype, args.numerics, args.runner,
+                                            kv_memory_fraction=args.kv_memory_fraction),
+                         **draft_placement(args.draft_device, args.draft_dtype))
     # Ctrl-C raises KeyboardInterrupt; make SIGTERM unwind the same way so `specdec up` is stopped.
     if args.concurrency:
         try:

@@ -176,9 +176,8 @@ def run(config, levels: list[int], modes: list[str], tokens_per_level: int, out:
     from specdec.orchestrator.request import OrchestratorConfig
     from specdec.target.engine import TargetConfig
 
-    orch = roles.embedded(TargetConfig(config.target, threads=config.threads, dtype=config.dtype, numerics=config.numerics),
-                          DraftConfig(config.draft, config.target, threads=config.threads,
-                                      min_confidence=config.draft_min_confidence),
+    orch = roles.embedded(TargetConfig(config.target, threads=config.threads, **config.target_fields()),
+                          DraftConfig(config.draft, config.target, threads=config.threads, **config.draft_fields()),
                           OrchestratorConfig(max_new_tokens_limit=max(2048, config.max_new_tokens),
                                              max_concurrent_requests=max(levels) + 1))
     results = asyncio.run(load_bench(orch, list(config.prompts), levels, modes, config.max_new_tokens, tokens_per_level,

@@ -32,6 +32,21 @@ class BenchConfig:
     draft_min_confidence: float = 0.0  # the drafter's --draft-min-confidence, in every method
     dtype: str = "float32"  # the target's, in specdec's methods (the transformers baseline stays float32)
     numerics: str = "auto"
+    device: str = "cpu"  # the target's (resolved), the transformers baseline's too
+    runner: str = "auto"  # the target's model runner (TargetConfig.runner)
+    fast_forward: bool = True  # False: runner hf
+    kv_memory_fraction: float | None = None  # the paged runner's page pool (TargetConfig.kv_memory_fraction)
+    draft_device: str = "cpu"  # the draft's (resolved)
+    draft_dtype: str = "float32"
+
+    def target_fields(self) -> dict:
+        """The TargetConfig fields every specdec method's target runs with."""
+        return {"dtype": self.dtype, "numerics": self.numerics, "device": self.device, "runner": self.runner,
+                "fast_forward": self.fast_forward, "kv_memory_fraction": self.kv_memory_fraction}
+
+    def draft_fields(self) -> dict:
+        """The DraftConfig fields every specdec method's drafter runs with."""
+        return {"draft_device": self.draft_device, "draft_dtype": self.draft_dtype, "min_confidence": self.draft_min_confidence}
 
     @property
     def reference(self) -> str:

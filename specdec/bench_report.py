@@ -32,7 +32,9 @@ def report(config, results) -> dict:
                    "prompt_source": config.prompt_source, "max_new_tokens": config.max_new_tokens, "k": list(config.ks),
                    "methods_filter": list(config.methods), "distributed": any(m.distributed for m in results.methods),
                    "redis_url": config.redis_url, "threads": config.threads,
-                   "draft_min_confidence": config.draft_min_confidence, "greedy": True},
+                   "draft_min_confidence": config.draft_min_confidence, "greedy": True,
+                   "device": config.device, "dtype": config.dtype, "runner": config.runner,
+                   "draft_device": config.draft_device, "draft_dtype": config.draft_dtype},
         "outputs_identical": not results.mismatches, "mismatches": results.mismatches,
         "methods": rows, "prompts": list(config.prompts),
     }

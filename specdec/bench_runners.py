@@ -37,9 +37,10 @@ class Runners:
     def __init__(self, config: BenchConfig, address: str | None, in_process: bool = True) -> None:
         """``address``: the distributed orchestrator (None: none); ``in_process``: load specdec here too."""
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from specdec import roles
+        from specdec.core.models import load_causal_lm
         from specdec.draft.drafters import DraftConfig
         from specdec.orchestrator.request import OrchestratorConfig
         from specdec.target.engine import TargetConfig
@@ -49,12 +50,12 @@ class Runners:
         self.threads = config.threads or 1
         self.auto_threads = config.threads is None
         self.tokenizer = AutoTokenizer.from_pretrained(config.target, local_files_only=True)
-        self.hf = AutoModelForCausalLM.from_pretrained(config.target, local_files_only=True, dtype=torch.float32).eval()
+        # The baseline runs on the target's device, in float32 (bench_methods.BenchConfig.reference).
+        self.hf = load_causal_lm(config.target, torch.float32, device=config.device).model
         self.orch = None
         if in_process:
-            self.orch = roles.embedded(TargetConfig(config.target, threads=config.threads, dtype=config.dtype, numerics=config.numerics),
-                                       DraftConfig(config.draft, config.target, threads=config.threads,
-                                                   min_confidence=config.draft_min_confidence),
+            self.orch = roles.embedded(TargetConfig(config.target, threads=config.threads, **config.target_fields()),
+                                       DraftConfig(config.draft, config.target, threads=config.threads, **config.draft_fields()),
                                        OrchestratorConfig(max_new_tokens_limit=max(2048, self.n)))
         self.address, self.channel, self.stub = address, None, None
 
@@ -101,7 +102,7 @@ class Runners:
     def _hf(self, prompt: str) -> tuple[int, ...]:
         import torch
 
-        ids = torch.tensor([self.tokenizer(prompt)["input_ids"]])
+        ids = torch.tensor([self.tokenizer(prompt)["input_ids"]], device=self.hf.device)
         torch.set_num_threads(self.hf_threads)  # this thread's count (the model thread's chooser sets its own per call)
         try:
             with torch.inference_mode():
@@ -153,7 +154,11 @@ class Deployment:
                                      "--base-port", str(base), "--redis-url", config.redis_url,
                                      "--threads", str(config.threads or 1),
                                      "--draft-min-confidence", str(config.draft_min_confidence),
-                                     "--dtype", config.dtype, "--numerics", config.numerics],
+                                     "--dtype", config.dtype, "--numerics", config.numerics, "--device", config.device,
+                                     "--draft-device", config.draft_device, "--draft-dtype", config.draft_dtype,
+                                     "--runner", config.runner,
+                                     *([] if config.kv_memory_fraction is None
+                                       else ["--kv-memory-fraction", str(config.kv_memory_fraction)])],
                                     stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         return cls(proc, f"127.0.0.1:{base}", log)
 

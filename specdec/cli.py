@@ -29,12 +29,17 @@ from specdec.cli_common import (
     MODEL_PACKAGES,
     ROLE_PACKAGES,
     SERVER_EXTRA_HINT,
+    DTYPE_CHOICES,
+    RUNNER_CHOICES,
     UsageError,
+    device_arg,
+    draft_placement,
+    fraction,
     model_path,
     probability_below_one,
     require_server_extra,
     server_package_of,
-    target_numerics,
+    target_placement,
 )
 from specdec.core.errors import SpecdecError
 
@@ -56,8 +61,19 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
     p.add_argument("--reference-forward", action="store_true",
                    help="run models through the HF forward instead of specdec's lean decode path (slower; for checking)")
     if target:
-        p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                       help="target model precision (bfloat16 needs a CPU with native bf16)")
+        p.add_argument("--device", type=device_arg, default=None, metavar="auto|cpu|cuda|cuda:N",
+                       help="where the target's weights, KV cache and logits live (default auto: cuda when torch "
+                            "sees a CUDA device, else cpu)")
+        p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                       help="target model precision (default auto: bfloat16 on CUDA, float32 on the CPU; "
+                            "bfloat16 on the CPU needs native bf16)")
+        p.add_argument("--runner", choices=RUNNER_CHOICES, default="auto",
+                       help="the target's model runner: lean (specdec's CPU forward), paged (paged KV cache), hf "
+                            "(the transformers forward, as --reference-forward); default auto: paged on CUDA; on the CPU lean for a "
+                            "plain Llama, else paged where it serves the model")
+        p.add_argument("--kv-memory-fraction", type=fraction, default=None, metavar="F",
+                       help="paged runner on CUDA: size the target's KV page pool as this fraction (0 < F < 1) of the "
+                            "device's free memory after the weights (default: the KV budget's tokens)")
         p.add_argument("--numerics", choices=("auto", "exact", "fast"), default="auto",
                        help="exact: a row's target logits are bitwise the same whatever shares its forward "
                             "(docs/guarantees.md); fast: kernels timed at load; auto (default): exact where "
@@ -66,8 +82,13 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
                        help="copies of each target weight the lean forward keeps: 1 (memory = the weights) or 2 "
                             "(the fastest kernel for one row and for more: up to twice the memory; docs/performance.md)")
     if draft:
-        p.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default="float32",
-                       help="draft model precision on the lean path (bfloat16 needs a CPU with native bf16)")
+        p.add_argument("--draft-device", type=device_arg, default=None, metavar="auto|cpu|cuda|cuda:N",
+                       help="where the draft model runs (default auto: cuda when visible, else cpu); a draft on the "
+                            "CPU beside a target on a GPU is a supported layout. `serve draft` takes --device (and "
+                            "--dtype) for the draft's when --draft-device (--draft-dtype) is not given")
+        p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None,
+                       help="draft model precision (default auto: bfloat16 on CUDA, float32 on the CPU; bfloat16 on "
+                            "the CPU needs native bf16)")
         p.add_argument("--draft-min-confidence", type=probability_below_one, default=0.0, metavar="P",
                        help="end a draft block after a token the draft gives less than P probability (default 0: "
                             "blocks of k; k is then an upper bound; never changes the output)")
@@ -121,7 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "moved to another if its own fails)")
     serve.add_argument("--step-timeout-s", type=float, default=5.0,
                        help="orchestrator: a verifier silent this long mid-session is taken for gone")
-    serve.add_argument("--redis-url", default=os.environ.get(ENV_REDIS), help=f"session store (default ${ENV_REDIS}; none: in memory)")
+    serve.add_argument("--redis-url", default=os.environ.get(ENV_REDIS),
+                       help=f"session store (default ${ENV_REDIS}; none: in memory): redis://, rediss://, "
+                            "redis+cluster://h:p[,h:p...] or redis+sentinel://h:p[,h:p...]/service (docs/operations.md)")
+    serve.add_argument("--store-retry-s", type=float, default=5.0,
+                       help="orchestrator: a failed session-store write is retried this long (a Redis restart, a "
+                            "failover) before the stream ends with UNAVAILABLE; make it cover your failover time")
     serve.add_argument("--max-new-tokens-limit", type=int, default=2048)
     serve.add_argument("--max-concurrent-requests", type=int, default=64, help="orchestrator: requests generating at once")
     serve.add_argument("--max-waiting-requests", type=int, default=256,
@@ -150,7 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(serve)
 
     up = sub.add_parser("up", help="start orchestrator, draft and target as separate local processes")
-    up.add_argument("--redis-url", default=os.environ.get(ENV_REDIS, "redis://127.0.0.1:6379/0"))
+    up.add_argument("--redis-url", default=os.environ.get(ENV_REDIS, "redis://127.0.0.1:6379/0"),
+                    help="session store: redis://, rediss://, redis+cluster://h:p[,h:p...] or "
+                         "redis+sentinel://h:p[,h:p...]/service (docs/operations.md)")
+    up.add_argument("--store-retry-s", type=float, default=5.0,
+                    help="the orchestrators retry a failed session-store write this long (cover your failover time)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--base-port", type=int, default=PORTS["orchestrator"], help="orchestrator port; draft +1, target +2")
     up.add_argument("--replicas", type=int, default=1,
@@ -181,6 +211,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(bench)
     return ap
+
+
+def _target_placement(args) -> dict:
+    """--device, --dtype, --numerics, --runner, --reference-forward and --kv-memory-fraction as TargetConfig fields."""
+    return target_placement(args.device, args.dtype, args.numerics, args.runner, args.reference_forward,
+                            args.kv_memory_fraction)
+
+
+def _draft_placement(args) -> dict:
+    """--draft-device and --draft-dtype as DraftConfig fields."""
+    return draft_placement(args.draft_device, args.draft_dtype)
 
 
 def resolve_rule(args) -> str:
@@ -257,15 +298,13 @@ async def _generate_embedded(args) -> int:
     target = model_path(args.target, ENV_TARGET, "target")
     draft = model_path(args.draft, ENV_DRAFT, "draft") if args.drafter == "model" else (args.draft or os.environ.get(ENV_DRAFT))
     request = request_from_args(args)
-    fast = not args.reference_forward
     # Drafter and verifier take turns on one model thread; unless --threads fixes it, each forward's
     # torch thread count is chosen by measuring: more threads win on an idle machine and lose badly
     # while another process keeps a core busy (docs/performance.md).
     threads = args.threads
-    orch = roles.embedded(TargetConfig(target, threads=threads, fast_forward=fast,
-                                       weight_layouts=args.weight_layouts, **target_numerics(args.dtype, args.numerics, args.reference_forward)),
-                          DraftConfig(draft, target, threads=threads, fast_draft_forward=fast, draft_dtype=args.draft_dtype,
-                                      min_confidence=args.draft_min_confidence),
+    orch = roles.embedded(TargetConfig(target, threads=threads, weight_layouts=args.weight_layouts, **_target_placement(args)),
+                          DraftConfig(draft, target, threads=threads, fast_draft_forward=not args.reference_forward,
+                                      min_confidence=args.draft_min_confidence, **_draft_placement(args)),
                           OrchestratorConfig(default_drafter=args.drafter))
     t0 = time.perf_counter()
     ids: list[int] = []
@@ -371,26 +410,31 @@ async def _serve(args) -> int:
 
         draft = None if args.no_draft_model else model_path(args.draft, ENV_DRAFT, "draft")
         target = args.target or os.environ.get(ENV_TARGET)
+        # One role, one model: `serve draft` takes --device and --dtype for the draft's when
+        # --draft-device and --draft-dtype are not given (`up` passes both, explicitly).
+        placement = draft_placement(args.draft_device or args.device, args.draft_dtype or args.dtype,
+                                    ("--draft-device" if args.draft_device or not args.device else "--device",
+                                     "--draft-dtype" if args.draft_dtype or not args.dtype else "--dtype"))
         config = DraftConfig(draft, target, threads=args.threads, fast_draft_forward=not args.reference_forward,
-                             draft_dtype=args.draft_dtype, min_confidence=args.draft_min_confidence,
+                             min_confidence=args.draft_min_confidence, **placement,
                              max_sessions=args.max_sessions,
                              max_session_tokens=args.max_session_tokens)
         running, _ = await roles.start_draft(config, server, registry)
     elif args.role == "target":
         from specdec.target.engine import TargetConfig
 
-        config = TargetConfig(model_path(args.target, ENV_TARGET, "target"), threads=args.threads, fast_forward=not args.reference_forward,
+        config = TargetConfig(model_path(args.target, ENV_TARGET, "target"), threads=args.threads,
                               max_sessions=args.max_sessions, max_kv_tokens=args.max_kv_tokens,
                               kv_redis_url=args.kv_redis_url, kv_block_tokens=args.kv_block_tokens,
                               kv_redis_max_tokens=args.kv_redis_max_tokens, weight_layouts=args.weight_layouts,
-                              **target_numerics(args.dtype, args.numerics, args.reference_forward))
+                              **_target_placement(args))
         running, _ = await roles.start_target(config, server, service_token=token, registry=registry)
     else:
         from specdec.orchestrator.request import OrchestratorConfig
 
         config = OrchestratorConfig(max_new_tokens_limit=args.max_new_tokens_limit, max_concurrent_requests=args.max_concurrent_requests,
                                     max_waiting_requests=args.max_waiting_requests,
-                                    max_prompt_bytes=args.max_prompt_bytes)
+                                    max_prompt_bytes=args.max_prompt_bytes, store_retry_s=args.store_retry_s)
         store = roles.make_store(args.redis_url, config.session_ttl_s)
         upstreams = roles.Upstreams(args.drafter_address, args.verifier_address, model_path(args.target, ENV_TARGET, "target"),
                                     service_token=token, tls=tls, step_timeout_s=args.step_timeout_s)
@@ -459,7 +503,7 @@ def _up(args) -> int:
     # The processes share this machine's cores: one torch thread per model process unless told
     # otherwise, and OpenMP threads that sleep when idle instead of spinning on a core another
     # process needs (spinning slows a neighbour many times over; docs/performance.md).
-    common += ["--threads", str(args.threads or 1)]
+    common += ["--threads", str(args.threads or 1), "--store-retry-s", str(args.store_retry_s)]
     # A fresh service token per run, through the environment: only these processes hold it.
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
            ENV_SERVICE_TOKEN: os.environ.get(ENV_SERVICE_TOKEN) or secrets.token_urlsafe(32)}
@@ -467,9 +511,16 @@ def _up(args) -> int:
         env[ENV_API_KEYS_FILE] = str(Path(args.api_keys_file).resolve())
     if args.reference_forward:
         common += ["--reference-forward"]
-    common += ["--draft-dtype", args.draft_dtype, "--draft-min-confidence", str(args.draft_min_confidence)]
-    target_numerics(args.dtype, args.numerics, args.reference_forward)  # refused here, before any process starts
-    common += ["--dtype", args.dtype, "--numerics", args.numerics, "--weight-layouts", str(args.weight_layouts)]
+    # Resolved (and refused) here, before any process starts; every process gets the same explicit values.
+    placed, draft_placed = _target_placement(args), _draft_placement(args)
+    common += ["--draft-device", draft_placed["draft_device"], "--draft-dtype", draft_placed["draft_dtype"],
+               "--draft-min-confidence", str(args.draft_min_confidence)]
+    common += ["--device", placed["device"], "--dtype", placed["dtype"], "--numerics", args.numerics,
+               "--weight-layouts", str(args.weight_layouts)]
+    if not args.reference_forward:
+        common += ["--runner", placed["runner"]]
+    if placed["kv_memory_fraction"] is not None:
+        common += ["--kv-memory-fraction", str(placed["kv_memory_fraction"])]
     ca_file = tls_dir = None
     if args.tls:
         import tempfile

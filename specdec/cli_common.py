@@ -103,15 +103,109 @@ def probability_below_one(text: str) -> float:
     return value
 
 
-def target_numerics(dtype: str, numerics: str, reference_forward: bool = False) -> dict[str, str]:
-    """The target's --dtype and --numerics as TargetConfig fields; a combination this machine or
-    forward cannot run is a usage error, not a traceback from deep in the load."""
-    if numerics == "exact" and reference_forward:
-        raise UsageError("--numerics exact needs specdec's lean forward: drop --reference-forward")
-    if dtype == "bfloat16":
+def fraction(text: str) -> float:
+    """A number strictly between 0 and 1, for argparse."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text}")
+    return value
+
+
+# ----------------------------------------------------------------------------- devices and dtypes
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+RUNNER_CHOICES = ("auto", "lean", "paged", "hf")
+
+
+def device_arg(text: str) -> str:
+    """auto | cpu | cuda | cuda:N, for argparse: the spelling only (what is visible: `resolve_device`)."""
+    head, _, index = text.partition(":")
+    if text in ("auto", "cpu", "cuda") or (head == "cuda" and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+
+
+def resolve_device(arg: str | None, flag: str = "--device") -> str:
+    """A device flag as a torch device name: auto (or None) is cuda when torch sees a CUDA device,
+    else cpu; cuda and cuda:N must be visible, else a UsageError saying what torch sees."""
+    import torch
+
+    arg = device_arg(arg or "auto")
+    if arg == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if arg == "cpu":
+        return arg
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise UsageError(f"{flag} {arg}: no CUDA device is available to this torch ({torch.__version__}, {build}; "
+                         f"{torch.cuda.device_count()} CUDA devices visible): use {flag} cpu, or auto")
+    index = int(arg.partition(":")[2] or 0)
+    if index >= count:
+        raise UsageError(f"{flag} {arg}: torch sees {count} CUDA device{'s' if count > 1 else ''} "
+                         f"(cuda:0{f' .. cuda:{count - 1}' if count > 1 else ''})")
+    return arg
+
+
+def resolve_dtype_for(device: str, arg: str | None, flag: str = "--dtype") -> str:
+    """A dtype flag for a model on ``device`` (resolved): auto (or None) is bfloat16 on CUDA, float32 on
+    the CPU; bfloat16 on a CPU without native bf16 is a UsageError (emulated, it runs several times slower)."""
+    dtype = arg or "auto"
+    if dtype not in DTYPE_CHOICES:
+        raise UsageError(f"{flag} takes {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
+    on_cpu = device == "cpu"
+    if dtype == "auto":
+        return "float32" if on_cpu else "bfloat16"
+    if dtype == "bfloat16" and on_cpu:
         from specdec.core.cpu_features import describe_cpu, native_bf16
 
         if not native_bf16():
-            raise UsageError(f"--dtype bfloat16 needs a CPU with native bf16 (avx512_bf16 or amx_bf16); "
-                             f"this one has neither ({describe_cpu()}): use --dtype float32")
-    return {"dtype": dtype, "numerics": numerics}
+            raise UsageError(f"{flag} bfloat16 needs a CPU with native bf16 (avx512_bf16 or amx_bf16); "
+                             f"this one has neither ({describe_cpu()}): use {flag} float32")
+    return dtype
+
+
+def target_runner(runner: str | None, reference_forward: bool, device: str,
+                  kv_memory_fraction: float | None = None) -> dict:
+    """The target's --runner, --reference-forward and --kv-memory-fraction as TargetConfig fields
+    (runner, fast_forward, kv_memory_fraction); --reference-forward is --runner hf."""
+    runner = runner or "auto"
+    if runner not in RUNNER_CHOICES:
+        raise UsageError(f"--runner takes {', '.join(RUNNER_CHOICES)}; got {runner!r}")
+    if reference_forward:
+        if runner not in ("auto", "hf"):
+            raise UsageError(f"--reference-forward is --runner hf: drop one of --reference-forward and --runner {runner}")
+        runner = "hf"
+    if kv_memory_fraction is not None and runner in ("lean", "hf"):
+        raise UsageError(f"--kv-memory-fraction sizes the paged runner's page pool; --runner {runner} has none")
+    if kv_memory_fraction is not None and device == "cpu":
+        raise UsageError("--kv-memory-fraction sizes the paged runner's page pool from a CUDA device's free memory; "
+                         "on the CPU the pool follows the KV budget: drop it")
+    return {"runner": runner, "fast_forward": runner != "hf", "kv_memory_fraction": kv_memory_fraction}
+
+
+def target_placement(device: str | None, dtype: str | None, numerics: str = "auto", runner: str | None = None,
+                     reference_forward: bool = False, kv_memory_fraction: float | None = None) -> dict:
+    """The target's device, dtype, numerics and runner flags as TargetConfig fields, resolved and checked
+    in one place (auto: CUDA when visible; bfloat16 there, float32 on the CPU)."""
+    device = resolve_device(device, "--device")
+    fields = target_runner(runner, reference_forward, device, kv_memory_fraction)
+    return {"device": device, **fields, **target_numerics(dtype, numerics, fields["runner"] == "hf", device)}
+
+
+def draft_placement(device: str | None, dtype: str | None,
+                    flags: tuple[str, str] = ("--draft-device", "--draft-dtype")) -> dict[str, str]:
+    """The draft's --draft-device and --draft-dtype as DraftConfig fields, resolved as the target's are
+    (``flags``: the names errors give, where the values came from other flags)."""
+    device = resolve_device(device, flags[0])
+    return {"draft_device": device, "draft_dtype": resolve_dtype_for(device, dtype, flags[1])}
+
+
+def target_numerics(dtype: str | None, numerics: str, reference_forward: bool = False, device: str = "cpu") -> dict[str, str]:
+    """The target's --dtype and --numerics as TargetConfig fields, for a target on ``device`` (resolved);
+    a combination this machine or forward cannot run is a usage error, not a traceback from deep in the load."""
+    if numerics == "exact" and reference_forward:
+        raise UsageError("--numerics exact needs specdec's lean forward: drop --reference-forward")
+    return {"dtype": resolve_dtype_for(device, dtype), "numerics": numerics}

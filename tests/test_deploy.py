@@ -265,7 +265,43 @@ def test_gpu_target_gets_a_gpu_and_draft_its_own_pool(rendered) -> None:
     assert set(draft["nodeSelector"]) <= tolerated, "the draft pool's nodes are tainted with the key they are selected by"
     for role in ("orchestrator", "draft"):
         assert "nvidia.com/gpu" not in str(_container(_role(docs, role))["resources"])
-    assert int(_flags(_container(_role(docs, "target")))["max-kv-tokens"]) > 0  # a KV budget the pod's memory holds
+    assert int(_flags(_container(_role(docs, "target")))["max-kv-tokens"]) > 0  # admission's cap, within the page pool
+
+
+# The gpu overlay's device flags: the target's model on its GPU in bfloat16 with its KV pages sized by
+# memory fraction; the drafters on CPU cores. Written out here, so that a dropped flag fails.
+GPU_TARGET_FLAGS = {"device": "cuda", "dtype": "bfloat16"}
+GPU_DRAFT_FLAGS = {"draft-device": "cpu"}
+
+
+@pytest.mark.parametrize("overlay", ("gpu", "gpu+tls"))
+def test_gpu_runs_the_target_on_cuda_in_bfloat16_and_the_drafters_on_cpu(rendered, overlay: str) -> None:
+    docs = rendered[overlay]
+    target = _flags(_container(_role(docs, "target")))
+    assert {k: target.get(k) for k in GPU_TARGET_FLAGS} == GPU_TARGET_FLAGS
+    assert 0.5 <= float(target["kv-memory-fraction"]) < 1  # of the GPU's memory after the weights
+    draft = _flags(_container(_role(docs, "draft")))
+    assert {k: draft.get(k) for k in GPU_DRAFT_FLAGS} == GPU_DRAFT_FLAGS
+    assert "device" not in draft  # --device is the target's; the draft pool has no GPU (draft-pool.yaml)
+
+
+def test_the_gpu_flags_are_the_clis():
+    """The device flags the gpu overlay passes are specdec's own, and mean what the overlay wants:
+    `serve target` parses them into a CUDA target in bfloat16 with a KV memory fraction, `serve draft`
+    into a CPU drafter (test_the_roles_flags_parse_with_the_cli checks every rendered flag parses)."""
+    from specdec.cli import build_parser
+
+    common = ["--target=/models/target", "--draft=/models/draft"]
+    target = build_parser().parse_args(["serve", "target", *common, "--device=cuda", "--dtype=bfloat16", "--kv-memory-fraction=0.85"])
+    assert (target.device, target.dtype, target.kv_memory_fraction) == ("cuda", "bfloat16", 0.85)
+    draft = build_parser().parse_args(["serve", "draft", *common, "--draft-device=cpu"])
+    assert draft.draft_device == "cpu"
+
+
+def test_dev_runs_every_role_on_cpu(rendered) -> None:
+    for role in ROLES:
+        flags = _flags(_container(_role(rendered["dev"], role)))
+        assert flags.get("device", "cpu") == "cpu" and flags.get("draft-device", "cpu") == "cpu", role
 
 
 def test_gpu_has_no_redis_and_no_placeholder_secret(rendered) -> None:
@@ -411,3 +447,18 @@ def test_service_monitor_is_optional_and_matches_the_services(rendered) -> None:
     for names in scraped.values():
         assert _objects(rendered["gpu"], "Service")[names[0]]["spec"]["clusterIP"] == "None"  # pod by pod
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+
+
+# ----------------------------------------------------------------------------- the image
+def test_the_image_takes_a_base_image_and_a_torch_index() -> None:
+    """`docker build --build-arg BASE_IMAGE=nvidia/cuda:... --build-arg TORCH_INDEX=...` (deploy/README.md)
+    builds the CUDA image from the same Dockerfile: the base is an argument, and torch comes from the
+    chosen index before the server extra, which then keeps that build (no docker daemon needed here)."""
+    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    (at,) = [i for i, line in enumerate(lines) if line.startswith("FROM ")]
+    assert lines[at] == "FROM ${BASE_IMAGE}" and any(line.startswith("ARG BASE_IMAGE=") for line in lines[:at])
+    for arg in ("TORCH_SPEC", "TORCH_INDEX"):  # declared after FROM, where the RUN lines see them
+        assert any(line.startswith(f"ARG {arg}=") for line in lines[at:]), arg
+    torch_at = next(i for i, line in enumerate(lines) if "pip install" in line and "${TORCH_SPEC}" in line)
+    assert '--index-url "${TORCH_INDEX}"' in lines[torch_at]
+    assert torch_at < next(i for i, line in enumerate(lines) if 'pip install ".[server]"' in line)

@@ -1,5 +1,6 @@
-"""Models whose cache cannot be rolled back exactly are refused when a worker loads them, with the
-setting named; never a traceback mid-request."""
+"""Models whose cache cannot be rolled back exactly (recurrent layers) are refused when a worker loads
+them, with the setting named; never a traceback mid-request. Sliding-window models are served through
+the paged runner's masked full cache (tests/test_paged_runner.py checks their output)."""
 from __future__ import annotations
 
 import pytest
@@ -27,10 +28,33 @@ def tok(tmp_path_factory):
     return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
-def test_a_sliding_window_shorter_than_the_context_is_refused_naming_the_setting(tmp_path, tok):
+def build_recurrent(out, tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                      eos_token_id=tokenizer.eos_token_id)
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    # a layer type whose cache cannot be cut (as a hybrid model's config names it)
+    config = out / "config.json"
+    config.write_text(config.read_text().replace('"full_attention"', '"linear_attention"'))
+    return out
+
+
+def test_a_recurrent_layer_type_is_refused_naming_the_setting(tmp_path, tok):
+    with pytest.raises(UnsupportedModel, match="linear_attention"):
+        load_causal_lm(build_recurrent(tmp_path / "m", tok))
+
+
+def test_a_sliding_window_shorter_than_the_context_is_served_by_the_paged_runner(tmp_path, tok):
+    from specdec.target.engine import TargetConfig, VerifierEngine
+
     folder = build_mistral(tmp_path / "m", tok, sliding_window=16)
-    with pytest.raises(UnsupportedModel, match="sliding_window=16"):
-        load_causal_lm(folder)
+    loaded = load_causal_lm(folder)
+    assert VerifierEngine.runner_kind(loaded.model, TargetConfig(str(folder))) == "paged"
+    with pytest.raises(UnsupportedModel, match="sliding_window=16"):  # HF's cache cannot roll it back
+        VerifierEngine.runner_kind(loaded.model, TargetConfig(str(folder), runner="hf"))
 
 
 @pytest.mark.parametrize("window", [None, 256, 4096], ids=["none", "equal-to-context", "beyond-context"])
@@ -40,7 +64,7 @@ def test_a_window_that_never_slides_is_served(tmp_path, tok, window):
 
 
 def test_the_cli_says_why_instead_of_a_traceback(tmp_path, tok, capsys):
-    folder = build_mistral(tmp_path / "m", tok, sliding_window=16)
+    folder = build_recurrent(tmp_path / "m", tok)
     assert cli.main(["generate", "def f():", "--target", str(folder), "--drafter", "ngram", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
-    assert "sliding_window=16" in err and "Traceback" not in err
+    assert "linear_attention" in err and "Traceback" not in err

@@ -46,3 +46,27 @@ def build_model(out: Path, tokenizer, hidden: int, layers: int, seed: int, conte
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def build_family_model(out: Path, tokenizer, family: str, seed: int = 0, context: int = 256, **extra) -> Path:
+    """A tiny random Llama-family model with grouped-query attention (4 query heads, 2 KV heads) and
+    untied embeddings: ``family`` llama, qwen2 (q/k/v biases, made non-zero so they matter) or
+    mistral; ``extra`` goes to the config (``sliding_window=8``, ``attention_bias=True``, ...)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "mistral": (MistralConfig, MistralForCausalLM)}[family]
+    torch.manual_seed(seed)
+    cfg = config_cls(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=context,
+                     tie_word_embeddings=False, initializer_range=0.2, bos_token_id=tokenizer.eos_token_id,
+                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **extra)
+    model = model_cls(cfg)
+    with torch.no_grad():  # HF initialises biases to zero: give them values, or a dropped bias would go unseen
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

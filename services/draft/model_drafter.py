@@ -10,6 +10,7 @@ verifier's rejection rule stays lossless while a step ships K numbers per token,
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -20,20 +21,28 @@ from specdec.core.branch_decode import BranchBatch
 from specdec.core.coupled import processed_logprobs
 from specdec.core.noise import gumbel_noise
 from specdec.core.kv import KVSequence, logits_for_batch
-from specdec.core.runner import runner_for
+from specdec.core.errors import UnsupportedModel
+from specdec.core.paged_runner import PagedRunner, layer_windows
+from specdec.core.paged_runner import supports as paged_supports
+from specdec.core.runner import HFRunner, LeanRunner, ModelRunner
 from specdec.core.llama_decode import LlamaDecoder, supports
 from specdec.core.models import LoadedModel, check_same_tokenizer, load_causal_lm
 from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from
 from specdec.core.steps import DraftProposal, SparseDistribution
 from specdec.draft.base import DraftConfig
 
+log = logging.getLogger(__name__)
 
-def truncate_top_k(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``probs`` [vocab] -> (token ids [K], renormalised probabilities [K]) of the K most likely tokens."""
-    values, ids = torch.topk(probs, min(top_k, probs.shape[-1]))
-    keep = values > 0
-    values, ids = values[keep], ids[keep]
-    return ids, values / values.sum()
+
+def to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Small tensors of one device on the host, in one transfer, each in its own shape and dtype (token
+    ids and float32 values are exact in float64); None stays None. Tensors already there stay as they are."""
+    present = [t for t in tensors if t is not None]
+    if all(t.device.type == "cpu" for t in present):
+        return list(tensors)
+    flat = torch.cat([t.reshape(-1).double() for t in present]).cpu().split([t.numel() for t in present])
+    parts = iter([part.reshape(t.shape).to(t.dtype) for part, t in zip(flat, present)])
+    return [None if t is None else next(parts) for t in tensors]
 
 
 class ModelDraftSession:
@@ -73,41 +82,48 @@ class ModelDraftSession:
         distributions = tuple(dists) if dists else None
         return DraftProposal(tuple(tokens), distributions, time.perf_counter_ns() - t0, tuple(alternatives))
 
-    def _noise(self, positions: Sequence[int], vocab: int) -> torch.Tensor | None:
-        """The coupled rule's noise rows for these positions, [len(positions), vocab]; None unless coupled."""
-        return gumbel_noise(self._sampling.seed, positions, vocab) if self._sampling.coupled else None
+    def _noise(self, positions: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor | None:
+        """The coupled rule's noise rows for these positions, [len(positions), vocab] on ``device``; None unless coupled."""
+        return gumbel_noise(self._sampling.seed, positions, vocab, device) if self._sampling.coupled else None
 
     def _pick(self, logits: torch.Tensor, position: int, num_alternatives: int,
               noise: torch.Tensor | None = None) -> tuple[int, SparseDistribution | None, tuple[int, ...], float]:
         """One draft token from one row of logits [vocab]: the token, its distribution (None: greedy),
         alternatives, and the probability the draft gives the token (greedy: 1.0 unless a block may end
         on it, since only then is the softmax worth computing)."""
-        confidence = 1.0
+        token = confidence = top = None  # on the logits' device until the one transfer below
         if self._sampling.greedy:
-            token, dist, ranked = int(logits.argmax()), None, logits
+            ranked, token = logits, logits.argmax()
             if self.min_confidence > 0:
-                confidence = float(torch.softmax(logits.float(), -1)[token])
+                confidence = torch.softmax(logits.float(), -1)[token]
         elif self._sampling.coupled:
             # The very noise row the verifier adds at this position: the draft is its own coupled
             # token, and no distribution needs to cross the wire.
             if noise is None:
-                noise = self._noise((position,), logits.shape[-1])[0]
+                noise = self._noise((position,), logits.shape[-1], logits.device)[0]
             logprobs = processed_logprobs(logits, self._sampling)
-            ranked = logprobs + noise
-            token, dist = int(ranked.argmax()), None
-            confidence = float(logprobs[token].exp())
-        else:
+            ranked = logprobs + noise.to(logits.device)
+            token = ranked.argmax()
+            confidence = logprobs[token].exp()
+        else:  # drawn on the host from the top-K distribution it is sent with
             ranked = probs_from_logits(logits, self._sampling)  # [vocab]
-            ids, probs_k = truncate_top_k(ranked, self._top_k)
+            top = torch.topk(ranked, min(self._top_k, ranked.shape[-1]))  # values, ids [K], most likely first
+        alternatives = torch.topk(ranked, min(num_alternatives + 1, ranked.shape[-1])).indices if num_alternatives else None
+        # One transfer per drafted token: the token (or its top-K distribution), its probability, the alternatives.
+        token, confidence, alternatives, *top = to_host(token, confidence, alternatives, *(top or (None, None)))
+        dist = None
+        if top[0] is not None:
+            values, ids = top
+            keep = values > 0  # the top K without tokens of probability 0, renormalised
+            values, ids = values[keep], ids[keep]
+            probs_k = values / values.sum()
             u = rng.uniform(self._sampling.seed, rng.Stream.DRAFT_SAMPLE, position)
-            token = int(ids[sample_from(probs_k, torch.tensor(u))])
+            drawn = int(sample_from(probs_k, torch.tensor(u, device=probs_k.device)))
+            token, confidence = ids[drawn], values[drawn]
             dist = SparseDistribution(tuple(ids.tolist()), tuple(probs_k.tolist()))
-            confidence = float(ranked[token])
-        alternatives: tuple[int, ...] = ()
-        if num_alternatives:
-            top = torch.topk(ranked, min(num_alternatives + 1, ranked.shape[-1])).indices.tolist()
-            alternatives = tuple(t for t in top if t != token)[:num_alternatives]
-        return token, dist, alternatives, confidence
+        token = int(token)
+        alternatives = () if alternatives is None else tuple(t for t in alternatives.tolist() if t != token)[:num_alternatives]
+        return token, dist, alternatives, 1.0 if confidence is None else float(confidence)
 
     def propose_branches(self, sequences: Sequence[Sequence[int]], num_tokens: int, num_alternatives: int = 0,
                          interrupt: Callable[[], bool] | None = None) -> list[DraftProposal] | None:
@@ -137,7 +153,7 @@ class ModelDraftSession:
                 break
             logits = batch.step(feed)  # [branches, vocab]
             positions = [len(seq) + step for seq in sequences]
-            noise = self._noise(positions, logits.shape[-1])  # one block for every branch, or None
+            noise = self._noise(positions, logits.shape[-1], logits.device)  # one block for every branch, or None
             for b, (tokens, dists, alts) in enumerate(rows):
                 if ended[b]:
                     continue  # still fed (the batch steps together); its rows are dropped
@@ -207,7 +223,7 @@ class ModelDrafter:
     name = "model"
 
     def __init__(self, loaded: LoadedModel, proposal_top_k: int, fast: bool = True, dtype: torch.dtype = torch.float32,
-                 min_confidence: float = 0.0) -> None:
+                 min_confidence: float = 0.0, max_sessions: int = 256) -> None:
         if proposal_top_k < 1:
             raise ValueError(f"proposal_top_k must be >= 1, got {proposal_top_k}")
         if not 0.0 <= min_confidence < 1.0:
@@ -216,9 +232,7 @@ class ModelDrafter:
         self.loaded = loaded
         self.vocab_size = loaded.vocab_size
         self._top_k = proposal_top_k
-        # The lean decode path when the architecture allows; drafts need speed, not bit-exactness.
-        self.decoder = LlamaDecoder(loaded.model, dtype=dtype) if fast and supports(loaded.model) else None
-        self.runner = runner_for(loaded.model, self.decoder)
+        self.decoder, self.runner = _runner(loaded.model, fast, dtype, max_sessions)
 
     def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> ModelDraftSession:
         return self.open_many([(prompt_ids, sampling)])[0]
@@ -236,15 +250,36 @@ def build(config: DraftConfig) -> ModelDrafter | None:
     if not config.draft_model_path:
         return None
     dtype = resolve_draft_dtype(config.draft_dtype)  # before the load: a typo should fail fast
-    draft = load_causal_lm(config.draft_model_path, threads=config.threads)
+    device = torch.device(config.draft_device)
+    fast = config.fast_draft_forward
+    # The lean forward converts float32 weights to its own dtype; the transformers forward runs in the dtype loaded.
+    draft = load_causal_lm(config.draft_model_path, dtype=dtype if device.type != "cpu" else torch.float32,
+                           threads=config.threads, device=device)
     if config.target_model_path:
         # Only the tokenizer is needed for the check; loading it is cheap.
         from transformers import AutoTokenizer
 
         target_tok = AutoTokenizer.from_pretrained(config.target_model_path, local_files_only=True)
         check_same_tokenizer(_TokenizerOnly(config.target_model_path, target_tok), draft)
-    return ModelDrafter(draft, config.proposal_top_k, fast=config.fast_draft_forward, dtype=dtype,
-                        min_confidence=config.min_confidence)
+    return ModelDrafter(draft, config.proposal_top_k, fast=fast, dtype=dtype,
+                        min_confidence=config.min_confidence, max_sessions=config.max_sessions)
+
+
+def _runner(model: torch.nn.Module, fast: bool, dtype: torch.dtype, max_sessions: int) -> tuple[LlamaDecoder | None, ModelRunner]:
+    """The draft's decoder (the lean forward, or None) and runner. Drafts need speed, not bit-exactness:
+    the lean forward on the CPU for a plain Llama; the paged runner off the CPU and for the Llama
+    family's sliding windows (HF's sliding cache cannot roll back once the window fills), else HF's."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if fast and on_cpu and supports(model):
+        decoder = LlamaDecoder(model, dtype=dtype)
+        return decoder, LeanRunner(decoder)
+    windows = any(w is not None for w in layer_windows(model.config, model.config.num_hidden_layers))
+    if paged_supports(model) and (windows or (fast and not on_cpu)):
+        return None, PagedRunner(model, max_sessions=max_sessions)
+    if windows:
+        raise UnsupportedModel(f"draft model {type(model).__name__} has a sliding window the transformers forward cannot "
+                               "roll back; specdec's paged runner serves Llama, Mistral and Qwen2 with one")
+    return None, HFRunner(model)
 
 
 class _TokenizerOnly:

@@ -15,13 +15,15 @@ from dataclasses import dataclass
 import torch
 
 from specdec.core.batch_rules import RuleStep, decide_batch
-from specdec.core.errors import InvalidRequest, Overloaded, SessionAlreadyOpen, SpecdecError
+from specdec.core.errors import InvalidRequest, Overloaded, SessionAlreadyOpen, SpecdecError, UnsupportedModel
 from specdec.core.exact_ops import ExactNumericsUnavailable
 from specdec.core.kv import shared_prefixes
-from specdec.core.kv_blocks import BlockLayout, encode_block, model_fingerprint
+from specdec.core.kv_blocks import BlockLayout, HostCopy, PendingBlock, encode_block, model_fingerprint
 from specdec.core.llama_decode import NUMERICS, PACK_ROWS, LlamaDecoder, supports
 from specdec.core.models import LoadedModel, load_causal_lm, resolve_dtype
-from specdec.core.runner import Feed, runner_for
+from specdec.core.paged_runner import PagedRunner, layer_windows
+from specdec.core.paged_runner import supports as paged_supports
+from specdec.core.runner import Feed, HFRunner, LeanRunner, ModelRunner
 from specdec.core.sampling import SamplingParams
 from specdec.core.session_table import FreedMemory, SessionTable
 from specdec.core.steps import MAX_PREFILL_TOKENS, DraftProposal, SessionSpec, VerifyOutcome, WorkerInfo, check_room, dense_draft_probs, validate_prompt
@@ -29,6 +31,7 @@ from specdec.core.steps import MAX_PREFILL_TOKENS, DraftProposal, SessionSpec, V
 log = logging.getLogger(__name__)
 # Opens of one prefill batch whose prompts share at least this many leading tokens compute them once.
 MIN_SHARED_PREFIX = 16
+RUNNERS = ("auto", "lean", "paged", "hf")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,16 @@ class TargetConfig:
     weight_layouts: int = 1
     # The target's precision (weights, activations, KV cache): float32 | bfloat16 (CPUs with native bf16 only).
     dtype: str = "float32"
+    # Where the target's weights, KV cache and logits live: cpu | cuda | cuda:N (the CLI resolves auto).
+    device: str = "cpu"
+    # The model runner (core/runner.py): auto (paged on CUDA, lean on CPU) | lean | paged | hf.
+    runner: str = "auto"
+    # The paged runner's page pool: this fraction of the device's free memory after the weights
+    # (None: pages for the KV budget, max_kv_tokens or max_sessions full contexts).
+    kv_memory_fraction: float | None = None
+    kv_page_tokens: int = 16  # positions per page of the paged runner's pool
+    # The paged runner on CUDA: replay the verify forward from CUDA graphs captured at start-up (fast numerics).
+    cuda_graphs: bool = True
     # auto | exact | fast. exact: a row's logits are bitwise the same whatever else shares the forward
     # (its block's other rows, other sessions, thread count; core/exact_ops.py), so speculation never
     # changes greedy output; needs the lean forward. auto: exact where this CPU's kernels hold it
@@ -113,20 +126,72 @@ class VerifierEngine:
         self.loaded = loaded
         self.config = config
         self.sessions: SessionTable[SessionState] = SessionTable(config.max_sessions, config.idle_timeout_s, freed=FreedMemory())
-        fast = config.fast_forward and supports(loaded.model)
         if config.numerics not in (*NUMERICS, "auto"):
             raise ValueError(f"numerics must be auto or one of {', '.join(NUMERICS)}; got {config.numerics!r}")
-        if config.numerics == "exact" and not fast:
-            raise ValueError("numerics='exact' needs the lean forward (fast_forward on, a plain Llama)")
-        self.decoder = self._decoder(loaded, config, own_weights) if fast else None
-        self.numerics = self.decoder.numerics if self.decoder is not None else "fast"
-        fingerprint = model_fingerprint(loaded.model, resolve_dtype(config.dtype), self.numerics)
-        self.runner = runner_for(loaded.model, self.decoder)  # every session's forward goes through it, batched
+        kind = self.runner_kind(loaded.model, config)
+        if config.numerics == "exact" and kind == "hf":
+            raise ValueError("numerics='exact' needs the lean or the paged runner (fast_forward on, a Llama-family model)")
+        self.decoder = self._decoder(loaded, config, own_weights) if kind == "lean" else None
+        self.paged: PagedRunner | None = self._paged(loaded, config, own_weights) if kind == "paged" else None
+        # every session's forward goes through the runner, batched
+        self.runner: ModelRunner = self.paged or (LeanRunner(self.decoder) if self.decoder is not None else HFRunner(loaded.model))
+        self.numerics = (self.decoder or self.paged).numerics if kind != "hf" else "fast"
         self.last_prefill_tokens = 0  # positions the last prefill batch computed (the rest came from stored KV blocks)
-        self.layout = None  # the KV block layout, on the lean forward (blocks are its buffer's bytes)
-        if self.decoder is not None:
-            d = self.decoder
-            self.layout = BlockLayout(len(d.layers), d.n_kv, d.head_dim, d.dtype, config.kv_block_tokens, fingerprint)
+        self.layout = None  # the KV block layout, on the lean and paged runners (blocks are their caches' bytes)
+        if kind != "hf":
+            # The paged runner's exact keys are other bits than the lean forward's: blocks of one are foreign to the other.
+            shape = (len(self.decoder.layers), self.decoder.n_kv, self.decoder.head_dim, self.decoder.dtype) if self.decoder \
+                else (self.paged.layer_count, self.paged.n_kv, self.paged.head_dim, self.paged.dtype)
+            numerics = self.numerics if kind == "lean" or self.numerics == "fast" else f"{self.numerics}-paged"
+            fingerprint = model_fingerprint(loaded.model, shape[3], numerics)
+            self.layout = BlockLayout(*shape, config.kv_block_tokens, fingerprint)
+
+    @staticmethod
+    def runner_kind(model: torch.nn.Module, config: TargetConfig) -> str:
+        """The one place a runner is chosen: lean | paged | hf. ``auto``: paged on CUDA; on the CPU the
+        lean forward for a plain Llama, the paged runner for other Llama-family models (Qwen2,
+        Mistral: sliding windows need its masked full cache), else the HF forward. ``fast_forward``
+        off: the HF forward (unless a runner is named)."""
+        if config.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {config.runner!r}")
+        if config.runner == "lean" and not supports(model):
+            raise ValueError(f"the lean runner serves plain Llamas, not {type(model).__name__}: use runner auto or paged")
+        if config.runner == "paged" and not paged_supports(model):
+            raise ValueError(f"the paged runner does not serve {type(model).__name__}: use runner auto or hf")
+        if config.runner != "auto":
+            kind = config.runner
+        elif not config.fast_forward:
+            kind = "hf"
+        elif config.device.startswith("cuda"):
+            kind = "paged" if paged_supports(model) else "hf"
+        else:
+            kind = "lean" if supports(model) else "paged" if paged_supports(model) else "hf"
+        if kind == "hf" and any(w is not None for w in layer_windows(model.config, model.config.num_hidden_layers)):
+            # HF's sliding-window cache drops what a rollback needs once the window fills
+            raise UnsupportedModel(f"{type(model).__name__} has a sliding window (sliding_window="
+                                   f"{model.config.sliding_window}): only the paged runner rolls it back exactly; "
+                                   "use runner auto or paged, with fast_forward on")
+        return kind
+
+    @staticmethod
+    def _paged(loaded: LoadedModel, config: TargetConfig, own_weights: bool) -> PagedRunner:
+        """The paged runner, its pool sized by memory fraction (CUDA) or the KV budget. ``auto``
+        numerics: exact where checked at load (the CPU; fast if its kernels cannot hold it), fast on
+        CUDA until benchmarks/gpu_check.py has measured exact mode's cost there."""
+        build = functools.partial(PagedRunner, loaded.model, page_tokens=config.kv_page_tokens,
+                                  kv_budget_tokens=config.max_kv_tokens, max_sessions=config.max_sessions,
+                                  kv_memory_fraction=config.kv_memory_fraction, own_weights=own_weights,
+                                  max_batch_sessions=config.max_batch_sessions)
+        graphs = None if config.cuda_graphs else False  # None: on CUDA in fast numerics
+        if config.numerics != "auto":
+            return build(numerics=config.numerics, cuda_graphs=graphs)
+        if not config.device.startswith("cpu"):
+            return build(numerics="fast", cuda_graphs=graphs)
+        try:
+            return build(numerics="exact")
+        except ExactNumericsUnavailable as exc:
+            log.warning("exact numerics unavailable, running fast numerics: %s", exc)
+            return build(numerics="fast")
 
     @staticmethod
     def _decoder(loaded: LoadedModel, config: TargetConfig, own_weights: bool) -> LlamaDecoder:
@@ -144,7 +209,8 @@ class VerifierEngine:
 
     @classmethod
     def from_config(cls, config: TargetConfig) -> "VerifierEngine":
-        return cls(load_causal_lm(config.model_path, dtype=config.dtype, threads=config.threads), config, own_weights=True)
+        return cls(load_causal_lm(config.model_path, dtype=config.dtype, threads=config.threads, device=config.device),
+                   config, own_weights=True)
 
     def open(self, spec: SessionSpec, max_new_tokens: int | None = None, stored: Sequence[torch.Tensor] = ()) -> int:
         """Prefill a session; ``max_new_tokens`` sizes its KV reservation (None: the whole context);
@@ -182,7 +248,7 @@ class VerifierEngine:
             session = SessionState(list(spec.prompt_ids), self.runner.new_cache(), spec.sampling, reserve)
             if stored:
                 session.valid_len = len(stored) * self.layout.block_tokens
-                self.decoder.write_prefix(session.cache, torch.cat(list(stored), dim=3))
+                self.runner.write_prefix(session.cache, torch.cat(list(stored), dim=3))
                 session.blocks_written = len(stored)
             ready.append((i, spec.session_id, session, spec.prompt_ids))
         # Prefill all but the last prompt token's successor: the first Verify feeds only drafts.
@@ -190,14 +256,14 @@ class VerifierEngine:
         # they share once: the first in one forward, the others copy its keys and values and feed
         # only the rest in a second.
         copies = shared_prefixes([prompt for _, _, _, prompt in ready], MIN_SHARED_PREFIX,
-                                 [self.decoder is not None and session.valid_len == 0 for _, _, session, _ in ready])
+                                 [self.layout is not None and session.valid_len == 0 for _, _, session, _ in ready])
         leaders = [session for (_, _, session, _), copy in zip(ready, copies) if copy is None]
         followers = [(session, ready[copy[0]][2], copy[1]) for (_, _, session, _), copy in zip(ready, copies) if copy]
         self.last_prefill_tokens = (sum(len(s.committed) - s.valid_len for s in leaders)
                                     + sum(len(s.committed) - shared for s, _, shared in followers))
         self._prefill(leaders)
         for session, leader, shared in followers:
-            self.decoder.write_prefix(session.cache, leader.cache.buf[:, :, :, :shared])
+            self.runner.write_prefix(session.cache, self.runner.read_kv(leader.cache, 0, shared))
             session.valid_len = shared
         self._prefill([session for session, _, _ in followers])
         elapsed = time.perf_counter_ns() - t0  # each open waited for the whole prefill
@@ -262,9 +328,10 @@ class VerifierEngine:
         elapsed = time.perf_counter_ns() - t0  # each step waited for the whole batch
         return [VerifyOutcome(*r, elapsed) if isinstance(r, tuple) else r for r in results]
 
-    def due_blocks(self, session_ids: Sequence[str]) -> list[tuple[str, list[tuple[int, bytes]]]]:
+    def due_blocks(self, session_ids: Sequence[str]) -> list[tuple[str, list[tuple[int, bytes | PendingBlock]]]]:
         """The KV blocks of these sessions (those a batch just stepped) that have become full and
-        valid since last asked, encoded."""
+        valid since last asked: encoded, or, from device memory, on their way to the host (the
+        store's writer encodes them: the model's thread never waits for a copy)."""
         if self.layout is None:
             return []
         b = self.layout.block_tokens
@@ -275,9 +342,15 @@ class VerifierEngine:
                 continue
             full = s.valid_len // b
             if full > s.blocks_written:
-                buf = s.cache.buf
-                blocks = [(i, encode_block(self.layout, i * b, s.committed, buf[:, :, :, i * b:(i + 1) * b]))
-                          for i in range(s.blocks_written, full)]
+                lo = s.blocks_written * b
+                kv = self.runner.read_kv(s.cache, lo, full * b)
+                if kv.device.type == "cpu":  # encoded now, from the cache itself
+                    blocks = [(i, encode_block(self.layout, i * b, s.committed, kv[:, :, :, i * b - lo:(i + 1) * b - lo]))
+                              for i in range(s.blocks_written, full)]
+                else:  # one copy per session, started now; encoded by the store's writer once it has landed
+                    host, tokens = HostCopy(kv), tuple(s.committed[:full * b])
+                    blocks = [(i, PendingBlock(self.layout, i * b, tokens, host, i * b - lo))
+                              for i in range(s.blocks_written, full)]
                 s.blocks_written = full
                 out.append((session_id, blocks))
         return out
@@ -291,7 +364,10 @@ class VerifierEngine:
 
     @property
     def kv_budget_tokens(self) -> int:
-        return self.config.max_kv_tokens or self.config.max_sessions * self.loaded.context_length
+        budget = self.config.max_kv_tokens or self.config.max_sessions * self.loaded.context_length
+        if self.paged is not None:  # no more than the page pool holds
+            return min(budget, self.paged.kv_token_capacity(self.config.max_sessions))
+        return budget
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -304,6 +380,8 @@ class VerifierEngine:
 
     def kv_bytes_held(self) -> int:
         """Bytes of KV cache the sessions hold now (read by the metrics thread: retried if the table moves)."""
+        if self.paged is not None:
+            return self.paged.kv_bytes()  # device bytes of the pages in use
         for _ in range(3):
             try:
                 return self.kv_bytes_per_token * sum(len(s.committed) for s in self.sessions.values())
