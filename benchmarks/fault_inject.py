@@ -99,7 +99,11 @@ class Deployment:
     """2 drafters, 2 verifiers, 2 orchestrators and a redis-server, all separate processes."""
 
     def __init__(self, workdir: Path, target: str, draft: str, replicas: int = 2, kv_blocks: bool = True,
-                 step_timeout_s: float = 3.0, grace_s: float = 2.0, threads: int = 1) -> None:
+                 step_timeout_s: float = 3.0, grace_s: float = 2.0, threads: int = 1,
+                 redis_url: str | None = None, kv_redis_url: str | None = None) -> None:
+        """``redis_url``, ``kv_redis_url``: a session store and a KV-block Redis run by someone else
+        (any form core/redis_connect.py accepts: benchmarks/fault_inject_cluster.py passes a Redis
+        Cluster or a Sentinel); without them, private redis-servers are started."""
         self.workdir = workdir
         (workdir / "logs").mkdir(parents=True, exist_ok=True)
         self.certs = make_dev_certs(str(workdir / "tls"), ["127.0.0.1"], days=1)
@@ -108,7 +112,7 @@ class Deployment:
         if redis_server is None:
             raise SystemExit("fault_inject needs redis-server on PATH")
         redis_port = free_port()
-        self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        self.redis_url = redis_url or f"redis://127.0.0.1:{redis_port}/0"
         (workdir / "redis").mkdir(exist_ok=True)
         self.redis = RedisProcess("redis", 0, redis_port, 0,
                                   [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
@@ -118,7 +122,7 @@ class Deployment:
         # that keeps nothing on disk, as a deployment would run them, so the session store's
         # append-only file holds only records and a restart replays it quickly.
         kv_port = free_port()
-        self.kv_redis_url = f"redis://127.0.0.1:{kv_port}/0"
+        self.kv_redis_url = kv_redis_url or f"redis://127.0.0.1:{kv_port}/0"
         self.kv_redis = RedisProcess("kv-redis", 0, kv_port, 0,
                                      [redis_server, "--port", str(kv_port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no", "--dir", str(workdir / "redis")], workdir / "logs" / "kv-redis.log")
@@ -128,7 +132,8 @@ class Deployment:
         common = [sys.executable, "-m", "specdec", "serve", "--target", target, "--draft", draft, "--threads", str(threads),
                   "--tls-cert", str(self.certs["tls.crt"]), "--tls-key", str(self.certs["tls.key"]),
                   "--tls-ca", str(self.certs["ca.crt"]), "--grace-s", str(grace_s)]
-        self.processes: dict[str, list[Process]] = {"kv-redis": [self.kv_redis], "redis": [self.redis],
+        self.processes: dict[str, list[Process]] = {"kv-redis": [] if kv_redis_url else [self.kv_redis],
+                                                    "redis": [] if redis_url else [self.redis],
                                                     **{role: [] for role in ROLES}}
         ports = {role: [free_port() for _ in range(replicas)] for role in ROLES}
         for role in ROLES:

@@ -2,7 +2,8 @@
 off the verify path, read back when a session opens on a replica that has never seen it.
 
 Layout: ``{prefix}:kv:{<session id>}:<block index>``, the session's hash tag (one Redis Cluster
-slot with its record) and its TTL. A block is written once, when it is full; a resumed session
+slot with its record, so a resume's MGET and a writer's pipeline reach one node per session on a
+Redis Cluster) and its TTL. A block is written once, when it is full; a resumed session
 uses the longest run of valid blocks from position 0 and recomputes the rest. Blocks are never
 refreshed, so none outlives the session's record (whose TTL every commit renews), and at most
 ``max_session_tokens`` positions of a session are kept: its Redis memory for KV is capped at
@@ -16,9 +17,10 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 import torch
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
-from specdec.core.kv_blocks import BlockLayout, CorruptBlock, decode_block
+from specdec.core.kv_blocks import BlockLayout, CorruptBlock, PendingBlock, decode_block
+from specdec.core.redis_connect import connect
 from specdec.core.sessions import check_session_id, short_id
 
 log = logging.getLogger(__name__)
@@ -39,14 +41,17 @@ class RedisKVStore:
 
     @classmethod
     def from_url(cls, url: str, layout: BlockLayout, **kwargs) -> "RedisKVStore":
-        return cls(aioredis.Redis.from_url(url, decode_responses=False), layout, **kwargs)
+        """Any URL form core/redis_connect.py accepts (a single server, a cluster, a Sentinel primary).
+        Blocks are a cache: no replica acknowledgement is waited for."""
+        return cls(connect(url), layout, **kwargs)
 
     def key(self, session_id: str, index: int) -> str:
         return f"{self._prefix}:kv:{{{check_session_id(session_id)}}}:{index}"
 
-    def offer(self, session_id: str, blocks: Sequence[tuple[int, bytes]]) -> None:
+    def offer(self, session_id: str, blocks: Sequence[tuple[int, bytes | PendingBlock]]) -> None:
         """Queue full blocks for writing; never waits: with the queue full they are dropped (a
         resumed session recomputes what is missing), and counted."""
+        check_session_id(session_id)  # here, not in the writer, which must not die of one bad id
         if self._queue is None:
             self._queue = asyncio.Queue(self._queue_blocks)
             self._writer = asyncio.ensure_future(self._write_forever())
@@ -64,22 +69,27 @@ class RedisKVStore:
             while not self._queue.empty() and len(batch) < 32:
                 batch.append(self._queue.get_nowait())
             try:
+                if any(isinstance(data, PendingBlock) for _, _, data in batch):  # from device memory: wait and encode off the loop
+                    batch = await asyncio.to_thread(_encoded, batch)
                 async with self._redis.pipeline(transaction=False) as pipe:  # one round trip for the lot
                     for session_id, index, data in batch:
                         pipe.set(self.key(session_id, index), data, px=self._ttl_ms)
                     await pipe.execute()
                 self.written += len(batch)
-            except (RedisError, OSError) as exc:
+            except (RedisError, RedisClusterException, OSError, RuntimeError, ValueError) as exc:  # the writer lives on
                 self.dropped += len(batch)
                 log.warning("could not write %d KV blocks: %s", len(batch), exc)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
 
     async def flush(self, timeout_s: float = 5.0) -> None:
-        """Wait until what was offered so far is written (tests, shutdown)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self._queue is not None and not self._queue.empty() and loop.time() < deadline:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)  # the last pipeline in flight
+        """Wait until what was offered so far is written or dropped (tests, shutdown), at most ``timeout_s``."""
+        if self._queue is not None:
+            try:
+                await asyncio.wait_for(self._queue.join(), timeout_s)
+            except TimeoutError:
+                log.warning("KV blocks still queued after %.1f s: not waiting longer", timeout_s)
 
     async def load(self, session_id: str, token_ids: Sequence[int]) -> list[torch.Tensor]:
         """The longest run of valid blocks from position 0 for these tokens (never the position of the
@@ -90,7 +100,7 @@ class RedisKVStore:
             return []
         try:
             raw = await self._redis.mget([self.key(session_id, i) for i in range(wanted)])
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             log.warning("session %s: KV blocks unreadable (%s): recomputing", short_id(session_id), exc)
             return []
         blocks = []
@@ -110,3 +120,7 @@ class RedisKVStore:
             self._writer.cancel()
             await asyncio.gather(self._writer, return_exceptions=True)
         await self._redis.aclose()
+
+
+def _encoded(batch: list[tuple[str, int, bytes | PendingBlock]]) -> list[tuple[str, int, bytes]]:
+    return [(session_id, index, data.encode() if isinstance(data, PendingBlock) else data) for session_id, index, data in batch]

@@ -6,10 +6,14 @@ Layout, format version 1 (DESIGN.md, "Redis layout"):
   {prefix}:sess:{<id>}:out  string: committed output tokens, packed little-endian int32
   {prefix}:sess:{<id>}:k    string: the speculation length of every step, one byte each (0-64),
                             so a seeded request can be replayed step for step
-  {prefix}:running          sorted set: the ids of running sessions (by start time), so a reaper
-                            can find those whose orchestrator died (abandon_stale)
-The braces are literal: `{<id>}` is a Redis Cluster hash tag, so both keys share a slot and one
-Lua script may touch both. Output lives in its own key so a commit is an O(1) APPEND, not a rewrite.
+  {prefix}:running:{<b>}    sorted sets: the ids of running sessions (by start time), so a reaper
+                            can find those whose orchestrator died (abandon_stale); sharded into
+                            RUNNING_BUCKETS buckets (b = CRC32 of the id mod RUNNING_BUCKETS), so on a
+                            Redis Cluster no one key takes every session's writes
+The braces are literal: `{<id>}` is a Redis Cluster hash tag, so a session's keys share a slot and
+one Lua script may touch them all; every script and pipeline here touches one session's keys or
+one key, so each works on a cluster (core/redis_connect.py builds the client from the URL).
+Output lives in its own key so a commit is an O(1) APPEND, not a rewrite.
 Each write is one Lua script (one round trip, atomic), checks that the session exists and is ours
 before touching anything, and refreshes the TTL of both keys. Never pickle: values are validated
 on read and anything corrupt or foreign raises CorruptRecord.
@@ -22,12 +26,20 @@ import logging
 import math
 import re
 import time
+import zlib
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError, RedisError, ResponseError, TimeoutError as RedisTimeout
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TimeoutError as RedisTimeout,
+)
 
 from specdec.core.errors import CorruptRecord, InvalidRequest, SessionNotFound, StoreUnavailable
+from specdec.core.redis_connect import ReplicaAckMissing, connect, eval_acked, parse_redis_url
 from specdec.core.sessions import (
     SessionRecord,
     SessionStatus,
@@ -52,6 +64,9 @@ FORMAT_VERSION = "1"
 _FIELDS = frozenset(
     {b"v", b"prompt", b"params", b"seed", b"status", b"finish_reason", b"counters", b"created_at", b"updated_at"}
 )
+# Buckets of the running-sessions index: enough that the busiest bucket is a small share of all
+# writes on a cluster, few enough that the reaper reads them all in one pipeline.
+RUNNING_BUCKETS = 64
 _INT_RE = re.compile(rb"-?[0-9]{1,40}")
 _PREFIX_RE = re.compile(r"[0-9A-Za-z_.:-]{1,64}")
 
@@ -75,8 +90,16 @@ if ARGV[{n}] ~= '' and redis.call('HGET', KEYS[1], 'holder') ~= ARGV[{n}] then r
 """
 
 # KEYS: hash, out, k. ARGV: ttl_ms, version, packed output, then field/value pairs for the hash (holder among them).
+# A retry of a create that landed (its reply lost in a failover) finds its own holder (ARGV[5], unique
+# per stream) and succeeds, refreshing the TTL so that a WAIT after it covers the first write.
 _CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if ARGV[5] ~= '' and redis.call('HGET', KEYS[1], 'holder') == ARGV[5] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[1])
+    return 1
+  end
+  return 0
+end
 redis.call('HSET', KEYS[1], 'v', ARGV[2], unpack(ARGV, 4))
 redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[1])
 redis.call('SET', KEYS[3], '', 'PX', ARGV[1])
@@ -91,7 +114,10 @@ _COMMIT = _GUARD + _FENCE.format(n=7) + """
 local before = tonumber(ARGV[8])
 if before >= 0 then
   local now = redis.call('STRLEN', KEYS[2])
-  if now == before + string.len(ARGV[3]) and now > before then return 1 end
+  if now == before + string.len(ARGV[3]) and now > before then
+    redis.call('PEXPIRE', KEYS[1], ARGV[1])  -- a write, so a WAIT after this retry covers the commit that landed
+    return 1
+  end
   if now ~= before then return -3 end
 end
 redis.call('APPEND', KEYS[2], ARGV[3])
@@ -136,6 +162,12 @@ return 1
 """
 ABANDONED_REASON = "orchestrator lost"
 
+# KEYS: hash, out, k. The three read at one instant (a script runs alone), never mid-commit. A script,
+# not MULTI/EXEC: a cluster client follows ASK with a script and not with a transaction.
+_GET = """
+return {redis.call('HGETALL', KEYS[1]), redis.call('GET', KEYS[2]), redis.call('GET', KEYS[3])}
+"""
+
 
 log = logging.getLogger(__name__)
 
@@ -150,15 +182,19 @@ def _store_errors(method):
     async def wrapper(self, *args, **kwargs):
         try:
             return await method(self, *args, **kwargs)
+        except ReplicaAckMissing as exc:
+            log.warning("session store write not replicated: %s", exc)
+            raise StoreUnavailable("the session store could not replicate the write (a Redis primary without a "
+                                   "live replica, or failing over); retry shortly") from None
         except (RedisConnectionError, RedisTimeout, OSError) as exc:
             log.warning("session store unreachable: %s", exc)
-            raise StoreUnavailable("the session store is unavailable (Redis unreachable); retry shortly") from None
-        except ResponseError as exc:
+            raise StoreUnavailable("the session store is unavailable (Redis unreachable or failing over); retry shortly") from None
+        except ResponseError as exc:  # READONLY, OOM, CLUSTERDOWN, MOVED past the client's retries, ...
             log.warning("session store refused a command: %s", exc)
             raise StoreUnavailable("the session store refused the write; retry shortly") from None
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:  # a cluster slot nobody serves, ...
             log.warning("session store error: %r", exc)
-            raise StoreUnavailable("the session store failed; retry shortly") from None
+            raise StoreUnavailable("the session store failed (Redis unreachable, or a cluster shard down); retry shortly") from None
 
     return wrapper
 
@@ -166,10 +202,13 @@ def _store_errors(method):
 class RedisSessionStore:
     """Sessions in Redis under `prefix`, each expiring `ttl_s` after its last write.
 
-    Owns its client (one connection pool per store); `close` releases it.
+    Owns its client (one connection pool per store); `close` releases it. ``replica_acks``: replicas
+    every session write must reach before it counts as done (WAIT; 0 for a single server), so a
+    promoted replica holds every token a client was sent.
     """
 
-    def __init__(self, client: aioredis.Redis, *, ttl_s: float = 3600, prefix: str = "specdec") -> None:
+    def __init__(self, client: aioredis.Redis, *, ttl_s: float = 3600, prefix: str = "specdec",
+                 replica_acks: int = 0, replica_ack_timeout_ms: int = 500) -> None:
         if not ttl_s > 0 or not math.isfinite(ttl_s):
             raise ValueError(f"ttl_s must be positive, got {ttl_s!r}")
         if not _PREFIX_RE.fullmatch(prefix):
@@ -177,16 +216,28 @@ class RedisSessionStore:
         self._redis = client
         self._ttl_ms = max(1, round(ttl_s * 1000))
         self._prefix = prefix
+        self._replica_acks, self._replica_ack_timeout_ms = replica_acks, replica_ack_timeout_ms
         self._create = client.register_script(_CREATE)
         self._commit = client.register_script(_COMMIT)
         self._finish = client.register_script(_FINISH)
         self._claim = client.register_script(_CLAIM)
         self._abandon = client.register_script(_ABANDON)
+        self._read = client.register_script(_GET)
 
     @classmethod
     def from_url(cls, url: str, ttl_s: float = 3600, prefix: str = "specdec") -> RedisSessionStore:
-        """A store with its own connection pool, e.g. `from_url("redis://127.0.0.1:6379/0")`."""
-        return cls(aioredis.Redis.from_url(url, decode_responses=False), ttl_s=ttl_s, prefix=prefix)
+        """A store with its own connection pool, e.g. `from_url("redis://127.0.0.1:6379/0")`, a cluster
+        (`redis+cluster://h:7000,h:7001`) or a Sentinel-managed primary (`redis+sentinel://h:26379/mymaster`);
+        see core/redis_connect.py. A URL of no accepted form is a RedisUrlError (a ValueError)."""
+        target = parse_redis_url(url)
+        return cls(connect(target), ttl_s=ttl_s, prefix=prefix, replica_acks=target.replica_acks,
+                   replica_ack_timeout_ms=target.replica_ack_timeout_ms)
+
+    async def _write(self, script, keys: list[str], args: list) -> int:
+        """Run a write script; with ``replica_acks``, done only once that many replicas have it."""
+        if not self._replica_acks:
+            return await script(keys=keys, args=args)
+        return await eval_acked(self._redis, script.script, keys, args, self._replica_acks, self._replica_ack_timeout_ms)
 
     def session_key(self, session_id: str) -> str:
         return f"{self._prefix}:sess:{{{check_session_id(session_id)}}}"
@@ -227,29 +278,43 @@ class RedisSessionStore:
         args: list[str | bytes | int] = [self._ttl_ms, FORMAT_VERSION, pack_ids(record.output_ids)]
         for name, value in fields.items():
             args += [name, value]
-        if not await self._create(keys=self._keys(record.session_id), args=args):
+        if not await self._write(self._create, self._keys(record.session_id), args):
             raise InvalidRequest(f"session {short_id(record.session_id)} already exists")
         if record.status is SessionStatus.RUNNING:
             await self._index_running(record.session_id)
 
     async def _index_running(self, session_id: str) -> None:
-        # The index lives as long as the newest session in it: no key without a TTL.
+        # A bucket lives as long as the newest session in it: no key without a TTL. Both commands
+        # touch one key, so the pipeline goes to one node on a cluster too.
+        key = self.running_key(session_id)
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(self.running_key, {session_id: time.time()})
-            pipe.pexpire(self.running_key, self._ttl_ms)
+            pipe.zadd(key, {session_id: time.time()})
+            pipe.pexpire(key, self._ttl_ms)
             await pipe.execute()
 
+    def running_key(self, session_id: str) -> str:
+        """The bucket of the running-sessions index (a sorted set by start time) that holds this session."""
+        return self.running_bucket_key(zlib.crc32(check_session_id(session_id).encode()) % RUNNING_BUCKETS)
+
+    def running_bucket_key(self, bucket: int) -> str:
+        return f"{self._prefix}:running:{{{bucket}}}"
+
     @property
-    def running_key(self) -> str:
-        """The ids of running sessions (a sorted set by start time), where the reaper looks."""
-        return f"{self._prefix}:running"
+    def running_keys(self) -> list[str]:
+        """Every bucket of the running-sessions index, where the reaper looks."""
+        return [self.running_bucket_key(b) for b in range(RUNNING_BUCKETS)]
 
     @_store_errors
     async def abandon_stale(self, lease_s: float, limit: int = 256) -> list[str]:
         """Mark running sessions that committed nothing for ``lease_s`` failed ("orchestrator lost"),
         so no record stays running after its orchestrator died; returns their ids. Sessions that
         ended or expired leave the index."""
-        ids = [i.decode() for i in await self._redis.zrange(self.running_key, 0, limit - 1)]
+        async with self._redis.pipeline(transaction=False) as pipe:  # one key per command: fine on a cluster
+            for key in self.running_keys:
+                pipe.zrange(key, 0, limit - 1, withscores=True)
+            buckets = await pipe.execute()
+        oldest = sorted((score, member.decode()) for bucket in buckets for member, score in bucket)[:limit]
+        ids = [session_id for _, session_id in oldest]
         marked, gone = [], []
         now = time.time()
         for session_id in ids:
@@ -260,7 +325,10 @@ class RedisSessionStore:
             if result in (_OK, _MISSING, _FOREIGN, 2):
                 gone.append(session_id)
         if gone:
-            await self._redis.zrem(self.running_key, *gone)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for session_id in gone:
+                    pipe.zrem(self.running_key(session_id), session_id)
+                await pipe.execute()
         return marked
 
     @_store_errors
@@ -271,20 +339,20 @@ class RedisSessionStore:
         packed, counters_json = pack_ids(new_output_ids), json.dumps(counters.to_dict())
         args = [self._ttl_ms, FORMAT_VERSION, packed, counters_json, repr(time.time()), pack_ks(step_ks), holder,
                 -1 if after is None else 4 * after]
-        self._check_result(await self._commit(keys=self._keys(session_id), args=args), session_id)
+        self._check_result(await self._write(self._commit, self._keys(session_id), args), session_id)
 
     @_store_errors
     async def finish(self, session_id: str, status: SessionStatus, finish_reason: str, holder: str = "") -> None:
         check_finish(status, finish_reason)
         args = [self._ttl_ms, FORMAT_VERSION, status.value, finish_reason, repr(time.time()), holder]
-        self._check_result(await self._finish(keys=self._keys(session_id), args=args), session_id)
-        await self._redis.zrem(self.running_key, session_id)
+        self._check_result(await self._write(self._finish, self._keys(session_id), args), session_id)
+        await self._redis.zrem(self.running_key(session_id), session_id)
 
     @_store_errors
     async def claim(self, session_id: str, output_len: int, holder: str) -> None:
         """Take a session over to continue it (see SessionStore.claim)."""
         args = [self._ttl_ms, FORMAT_VERSION, repr(time.time()), holder, 4 * output_len]
-        result = await self._claim(keys=self._keys(session_id), args=args)
+        result = await self._write(self._claim, self._keys(session_id), args)
         self._check_result(result, session_id)
         check_claim(result, session_id)
         await self._index_running(session_id)
@@ -293,12 +361,8 @@ class RedisSessionStore:
     async def get(self, session_id: str) -> SessionRecord:
         key, out_key, k_key = self._keys(session_id)
         try:
-            # MULTI/EXEC: the hash and the output are read at the same instant, never mid-commit.
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hgetall(key)
-                pipe.get(out_key)
-                pipe.get(k_key)
-                raw, out, ks = await pipe.execute()
+            flat, out, ks = await self._read(keys=[key, out_key, k_key])
+            raw = dict(zip(flat[::2], flat[1::2]))
         except ResponseError as e:
             if "WRONGTYPE" in str(e):
                 raise CorruptRecord(f"Redis key {key!r} or {out_key!r} has the wrong type: {e}") from None

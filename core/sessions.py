@@ -282,7 +282,8 @@ class SessionStore(Protocol):
     """
 
     async def create(self, record: SessionRecord, holder: str = "") -> None:
-        """Store a new session, held by ``holder``; InvalidRequest if one with that id exists."""
+        """Store a new session, held by ``holder``; InvalidRequest if one with that id exists, unless
+        ``holder`` (non-empty) holds it: a retried create whose first reply was lost changes nothing."""
         ...
 
     async def commit(self, session_id: str, new_output_ids: Sequence[int], counters: SpecCounters,
@@ -375,10 +376,13 @@ class InMemorySessionStore:
         now = self._clock()
         self._sweep(now)
         try:
-            self._live(record.session_id)
+            existing = self._live(record.session_id)
         except SessionNotFound:
             pass
         else:
+            if holder and existing.holder == holder:
+                existing.expires_at = now + self._ttl_s
+                return
             raise InvalidRequest(f"session {short_id(record.session_id)} already exists")
         self._entries[record.session_id] = _Entry(
             record=replace(record, prompt_ids=tuple(record.prompt_ids), output_ids=()),

@@ -172,7 +172,7 @@ class Orchestrator:
         spec = SessionSpec(session_id, prompt_ids, sampling, drafter_name)
         run = await self._session_run(spec, request.max_new_tokens, request.policy)
         holder = new_holder()  # this stream's fencing token: a resume elsewhere fences it off
-        await self.store.create(record, holder)
+        await self._retrying(lambda: self.store.create(record, holder))  # a failover pauses a new stream too
         async with contextlib.aclosing(self._tracked(session_id, holder, self._loop(request, run, holder))) as chunks:
             async for chunk in chunks:
                 yield chunk

@@ -20,6 +20,7 @@ from contextlib import ExitStack
 
 import pytest
 
+from redis_cluster import MISSING as REDIS_TOOLS_MISSING, RedisClusterProcs, SentinelProcs, tools as redis_tools
 from redis_server import delete_prefix, redis_url_for_tests
 
 
@@ -40,6 +41,52 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
     prefix = f"specdec-test-{uuid.uuid4().hex[:8]}"
     yield prefix
     delete_prefix(redis_url, prefix)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterProcs]:
+    """A real Redis Cluster (3 primaries, 3 replicas; tests/redis_cluster.py), started the first time
+    a test asks for it and stopped at the end of the session; skipped without redis-server."""
+    if (found := redis_tools()) is None:
+        pytest.skip(REDIS_TOOLS_MISSING)
+    procs = RedisClusterProcs(*found)
+    try:
+        procs.start()
+        yield procs
+    finally:
+        procs.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(redis_cluster: RedisClusterProcs) -> str:
+    return redis_cluster.url
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel() -> Iterator[SentinelProcs]:
+    """A Sentinel-managed primary with two replicas (tests/redis_cluster.py), started on first use."""
+    if (found := redis_tools()) is None:
+        pytest.skip(REDIS_TOOLS_MISSING)
+    procs = SentinelProcs(found[0])
+    try:
+        procs.start()
+        yield procs
+    finally:
+        procs.stop()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def any_redis_url(request: pytest.FixtureRequest) -> str:
+    """The URL of a single Redis server, then of the Redis Cluster: a test that takes it runs on both."""
+    return request.getfixturevalue("redis_url" if request.param == "single" else "redis_cluster_url")
+
+
+@pytest.fixture
+def any_redis_prefix(any_redis_url: str) -> Iterator[str]:
+    """As ``redis_prefix``, on whichever Redis ``any_redis_url`` is."""
+    prefix = f"specdec-test-{uuid.uuid4().hex[:8]}"
+    yield prefix
+    delete_prefix(any_redis_url, prefix)
 
 
 # ----------------------------------------------------------------------------- models and servers

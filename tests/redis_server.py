@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import redis
+from specdec.core.redis_connect import connect_sync
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 6379
 
@@ -82,12 +82,16 @@ def redis_url_for_tests() -> Iterator[str]:
 
 
 def delete_prefix(url: str, prefix: str) -> int:
-    """Delete every key that starts with `prefix` (SCAN, never FLUSH); return how many."""
-    client = redis.Redis.from_url(url)
+    """Delete every key that starts with `prefix` (SCAN, never FLUSH); return how many. Any URL form
+    of core/redis_connect.py: on a cluster SCAN visits every primary and DEL goes slot by slot."""
+    client = connect_sync(url)
     try:
         keys = list(client.scan_iter(match=f"{prefix}*", count=500))
         for i in range(0, len(keys), 500):
-            client.delete(*keys[i : i + 500])
+            pipe = client.pipeline(transaction=False)
+            for key in keys[i : i + 500]:  # one key per command: a cluster pipeline sends each to its node
+                pipe.delete(key)
+            pipe.execute()
         return len(keys)
     finally:
         client.close()

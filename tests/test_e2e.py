@@ -138,7 +138,7 @@ async def test_stream_matches_unary_and_ends_with_stats(cluster):
 
 
 async def test_redis_record_holds_exactly_the_committed_tokens(cluster, redis_url):
-    import redis.asyncio as aioredis
+    from specdec.core.redis_connect import connect
 
     reply = await cluster.stub.Generate(request(prompts(2)[1], 3, "model", max_new=20))
     record = await cluster.store.get(reply.session_id)
@@ -146,7 +146,7 @@ async def test_redis_record_holds_exactly_the_committed_tokens(cluster, redis_ur
     assert record.status.value == "finished"
     assert record.counters.accepted_tokens == reply.stats.accepted_tokens
     # And the raw Redis value, read without specdec's store: packed little-endian int32.
-    client = aioredis.Redis.from_url(redis_url)
+    client = connect(redis_url)
     raw = await client.get(f"{cluster.store._prefix}:sess:{{{reply.session_id}}}:out")
     await client.aclose()
     assert unpack_ids(raw) == tuple(reply.token_ids)

@@ -1,6 +1,7 @@
 """Session KV in Redis: the block format refuses anything it cannot use exactly, and a session that
 opens on another verifier takes its prefix from the stored blocks and goes on with the very same
-tokens (a real Redis; the verifier engines in this process, and over gRPC through a pool)."""
+tokens (a real Redis, one server and a Redis Cluster; the verifier engines in this process, and over
+gRPC through a pool)."""
 from __future__ import annotations
 
 import secrets
@@ -9,7 +10,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from specdec.core.kv_blocks import BlockLayout, CorruptBlock, decode_block, encode_block, model_fingerprint
+from specdec.core.kv_blocks import BlockLayout, CorruptBlock, HostCopy, PendingBlock, decode_block, encode_block, model_fingerprint
+from specdec.core.redis_connect import connect_sync
 from specdec.core.redis_kv import RedisKVStore
 from specdec.core.sampling import SamplingParams
 from specdec.core.steps import DraftProposal, SessionSpec
@@ -73,6 +75,17 @@ def test_two_checkpoints_of_one_architecture_have_different_fingerprints(tiny_pa
     assert model_fingerprint(target, torch.float32) == model_fingerprint(load_causal_lm(tiny_pair[0]).model, torch.float32)
 
 
+@pytest.fixture
+def redis_url(any_redis_url):
+    """These tests run on one Redis server and on a Redis Cluster."""
+    return any_redis_url
+
+
+@pytest.fixture
+def redis_prefix(any_redis_prefix):
+    return any_redis_prefix
+
+
 @pytest_asyncio.fixture
 async def stores(redis_url, redis_prefix, tiny_pair):
     """A factory of verifier engines over one Redis key space, as replicas of one pool."""
@@ -115,8 +128,6 @@ async def test_a_session_resumed_elsewhere_takes_its_prefix_from_redis_and_goes_
 
 
 async def test_a_corrupt_block_is_recomputed_from_there_and_changes_nothing(stores, redis_url):
-    import redis
-
     a, b = stores(), stores()
     sid = secrets.token_hex(16)
     prompt = tuple(range(1, 60))
@@ -124,7 +135,7 @@ async def test_a_corrupt_block_is_recomputed_from_there_and_changes_nothing(stor
     await _steps(a, sid, 12)
     await a.kv_store.flush()
     committed = tuple(a.engine.sessions.get(sid).committed)
-    client = redis.Redis.from_url(redis_url)
+    client = connect_sync(redis_url)
     key = a.kv_store.key(sid, 1)
     data = client.get(key)
     client.set(key, data[:-5] + b"\x00\x01\x02\x03\x04")  # block 1 damaged on disk or in flight
@@ -137,8 +148,6 @@ async def test_a_corrupt_block_is_recomputed_from_there_and_changes_nothing(stor
 async def test_redis_memory_per_session_is_capped_and_expires_with_the_record(stores, redis_url):
     """At most max_session_tokens positions of a session are kept (a resume recomputes the rest), and
     each block expires within the session TTL of its writing, so none outlives the record."""
-    import redis
-
     a, b = stores(max_session_tokens=2 * B), stores()
     sid = secrets.token_hex(16)
     await a.open(SessionSpec(sid, tuple(range(1, 60)), SamplingParams(seed=3), "ngram"), max_new_tokens=100)
@@ -146,7 +155,7 @@ async def test_redis_memory_per_session_is_capped_and_expires_with_the_record(st
     await a.kv_store.flush()
     committed = tuple(a.engine.sessions.get(sid).committed)
     assert len(committed) >= 4 * B
-    client = redis.Redis.from_url(redis_url)
+    client = connect_sync(redis_url)
     kept = sorted(int(k.rsplit(b":", 1)[1]) for k in client.scan_iter(match=a.kv_store.key(sid, 0)[:-1] + "*"))
     assert kept == [0, 1] and a.kv_store.written == 2
     assert all(0 < client.pttl(a.kv_store.key(sid, i)) <= 3600 * 1000 for i in kept)
@@ -157,3 +166,29 @@ async def test_redis_memory_per_session_is_capped_and_expires_with_the_record(st
     await b.open(SessionSpec(sid, committed, SamplingParams(seed=3), "ngram"), max_new_tokens=40)
     assert b.engine.last_prefill_tokens == len(committed) - 2 * B  # the two kept blocks, the rest recomputed
     assert await _steps(b, sid, 6) == await _steps(a, sid, 6)
+
+
+def test_a_pending_block_encodes_as_the_block_was_when_offered():
+    lay = layout()
+    kv = torch.cat([block(lay), block(lay) * 2], dim=3)  # two blocks' positions
+    pending = [PendingBlock(lay, 4 * i, tuple(TOKENS), HostCopy(kv), 4 * i) for i in range(2)]
+    expected = [encode_block(lay, 4 * i, TOKENS, kv[:, :, :, 4 * i:4 * i + 4]) for i in range(2)]
+    kv.zero_()  # the cache moves on (a slot reused): the copy taken when offered is what is written
+    assert [p.encode() for p in pending] == expected
+
+
+async def test_blocks_from_device_memory_are_encoded_by_the_writer(redis_url, redis_prefix):
+    sid = secrets.token_hex(16)
+    lay = layout()
+    kv = torch.cat([block(lay), block(lay) * 2], dim=3)
+    store = RedisKVStore.from_url(redis_url, lay, prefix=redis_prefix)
+    try:
+        host = HostCopy(kv)
+        store.offer(sid, [(0, encode_block(lay, 0, TOKENS, kv[:, :, :, :4])),
+                               (1, PendingBlock(lay, 4, tuple(TOKENS), host, 4))])
+        await store.flush(timeout_s=60)
+        assert store.written == 2
+        loaded = await store.load(sid, TOKENS[:9])
+        assert len(loaded) == 2 and torch.equal(torch.cat(loaded, dim=3), kv)
+    finally:
+        await store.aclose()

@@ -1,10 +1,14 @@
-"""The SessionStore contract, run against the in-memory store and the Redis store alike."""
+"""The SessionStore contract, run against the in-memory store and the Redis store alike: on one
+Redis server, on a Redis Cluster (3 primaries with a replica each) and on a Sentinel-managed
+primary (tests/redis_cluster.py starts both for real)."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import subprocess
 import sys
+import uuid
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -12,7 +16,8 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from specdec.core.errors import CorruptRecord, InvalidRequest, SessionMoved, SessionNotFound, SessionOutOfSync, SessionTakenOver
-from specdec.core.redis_store import RedisSessionStore
+from specdec.core.redis_connect import connect
+from specdec.core.redis_store import RUNNING_BUCKETS, RedisSessionStore
 from specdec.core.sessions import (
     InMemorySessionStore,
     SessionRecord,
@@ -25,15 +30,23 @@ from specdec.core.sessions import (
     unpack_ids,
 )
 
+from redis_server import delete_prefix
+
 INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
 MakeStore = Callable[..., SessionStore]
 
 
-@pytest.fixture(params=["memory", "redis"])
+REDIS_KINDS = {"redis": "redis_url", "cluster": "redis_cluster_url", "sentinel": "redis_sentinel"}
+
+
+@pytest.fixture(params=["memory", *REDIS_KINDS])
 async def make_store(request: pytest.FixtureRequest) -> AsyncIterator[MakeStore]:
     """make_store(ttl_s=3600) -> a store of the parametrized kind, closed after the test."""
-    if request.param == "redis":
-        url, prefix = request.getfixturevalue("redis_url"), request.getfixturevalue("redis_prefix")
+    if request.param != "memory":
+        url = request.getfixturevalue(REDIS_KINDS[request.param])
+        url = url if isinstance(url, str) else url.url
+        prefix = f"specdec-test-{uuid.uuid4().hex[:8]}"
+        request.addfinalizer(lambda: delete_prefix(url, prefix))
     created: list[SessionStore] = []
 
     def make(ttl_s: float = 3600) -> SessionStore:
@@ -49,17 +62,19 @@ async def make_store(request: pytest.FixtureRequest) -> AsyncIterator[MakeStore]
         await store.close()
 
 
+# The Redis-specific tests below run on one server and on the cluster (``any_redis_url``).
 @pytest.fixture
-async def redis_store(redis_url: str, redis_prefix: str) -> AsyncIterator[RedisSessionStore]:
-    store = RedisSessionStore.from_url(redis_url, ttl_s=3600, prefix=redis_prefix)
+async def redis_store(any_redis_url: str, any_redis_prefix: str) -> AsyncIterator[RedisSessionStore]:
+    store = RedisSessionStore.from_url(any_redis_url, ttl_s=3600, prefix=any_redis_prefix)
     yield store
     await store.close()
 
 
 @pytest.fixture
-async def raw(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    """A plain client, to look at and tamper with what the store wrote."""
-    client = aioredis.Redis.from_url(redis_url)
+async def raw(any_redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """A plain client (of the same kind: a cluster client on the cluster), to look at and tamper with
+    what the store wrote."""
+    client = connect(any_redis_url)
     yield client
     await client.aclose()
 
@@ -220,6 +235,20 @@ async def test_create_twice_is_an_error(make_store: MakeStore) -> None:
     assert (got.seed, got.output_ids) == (record.seed, (1, 2))
 
 
+async def test_a_retried_create_of_its_own_holder_changes_nothing(make_store: MakeStore) -> None:
+    """A create whose reply was lost in a failover is retried: by the stream that made it, it lands
+    once; by anyone else (another holder, or none), it is still an error."""
+    store = make_store()
+    record = make_record()
+    await store.create(record, holder="h1")
+    await store.commit(record.session_id, [1, 2], SpecCounters(), holder="h1")
+    await store.create(record, holder="h1")
+    for other in ("h2", ""):
+        with pytest.raises(InvalidRequest, match="already exists"):
+            await store.create(record, holder=other)
+    assert (await store.get(record.session_id)).output_ids == (1, 2)
+
+
 async def test_delete_then_recreate(make_store: MakeStore) -> None:
     store = make_store()
     record = make_record()
@@ -288,7 +317,8 @@ async def test_in_memory_sweeps_sessions_nobody_reads() -> None:
 # --- Redis specifics ----------------------------------------------------------------------------
 
 
-async def test_redis_key_layout(redis_store: RedisSessionStore, raw: aioredis.Redis, redis_prefix: str) -> None:
+async def test_redis_key_layout(redis_store: RedisSessionStore, raw: aioredis.Redis, any_redis_prefix: str) -> None:
+    redis_prefix = any_redis_prefix
     record = make_record()
     await redis_store.create(record)
     await redis_store.commit(record.session_id, [1, -1], SpecCounters(), step_ks=(1,))
@@ -303,19 +333,23 @@ async def test_redis_key_layout(redis_store: RedisSessionStore, raw: aioredis.Re
     assert await raw.get(key + ":out") == b"\x01\x00\x00\x00\xff\xff\xff\xff"
     assert await raw.get(key + ":k") == b"\x01\x00"  # one byte per step: its speculation length
     assert key_slot(key.encode()) == key_slot((key + ":k").encode())
-    assert sorted(await raw.keys(f"{redis_prefix}*")) == sorted([key.encode(), (key + ":k").encode(), (key + ":out").encode(),
-                                                                  f"{redis_prefix}:running".encode()])
-    assert await raw.zscore(f"{redis_prefix}:running", record.session_id) is not None  # where the reaper looks
-    for k in (key, key + ":out", key + ":k", f"{redis_prefix}:running"):
+    # The running index is sharded: the session is in one of RUNNING_BUCKETS hash-tagged buckets.
+    bucket = f"{redis_prefix}:running:{{{zlib.crc32(record.session_id.encode()) % RUNNING_BUCKETS}}}"
+    assert redis_store.running_key(record.session_id) == bucket and bucket in redis_store.running_keys
+    stored = sorted([k async for k in raw.scan_iter(match=f"{redis_prefix}*")])  # SCAN: every node of a cluster
+    assert stored == sorted([key.encode(), (key + ":k").encode(), (key + ":out").encode(), bucket.encode()])
+    assert await raw.zscore(bucket, record.session_id) is not None  # where the reaper looks
+    for k in (key, key + ":out", key + ":k", bucket):
         assert 0 < await raw.pttl(k) <= redis_store._ttl_ms  # every key expires
     await redis_store.finish(record.session_id, SessionStatus.FINISHED, "length")
-    assert await raw.zscore(f"{redis_prefix}:running", record.session_id) is None
+    assert await raw.zscore(bucket, record.session_id) is None
     assert (await redis_store.get(record.session_id)).step_ks == (1, 0)
 
 
 async def test_redis_failed_writes_create_no_keys(
-    redis_store: RedisSessionStore, raw: aioredis.Redis, redis_prefix: str
+    redis_store: RedisSessionStore, raw: aioredis.Redis, any_redis_prefix: str
 ) -> None:
+    redis_prefix = any_redis_prefix
     sid = new_session_id()
     with pytest.raises(SessionNotFound):
         await redis_store.commit(sid, [1, 2, 3], SpecCounters(drafts=1))
@@ -323,14 +357,14 @@ async def test_redis_failed_writes_create_no_keys(
         await redis_store.finish(sid, SessionStatus.FAILED, "boom")
     with pytest.raises(InvalidRequest):
         await redis_store.create(make_record(params={"x": object()}))
-    assert await raw.keys(f"{redis_prefix}*") == []
+    assert [k async for k in raw.scan_iter(match=f"{redis_prefix}*")] == []
 
 
-async def test_redis_ttl_on_both_keys_refreshed_by_writes(redis_url: str, redis_prefix: str, raw) -> None:
+async def test_redis_ttl_on_both_keys_refreshed_by_writes(any_redis_url: str, any_redis_prefix: str, raw) -> None:
     """Each write moves every key's expiry to now + TTL; a read does not. Compared as absolute
     expiry times (PEXPIRETIME), which only writes move: nothing here depends on how long the steps
     between took (remaining TTLs compared across a sleep did, on a loaded machine)."""
-    store = RedisSessionStore.from_url(redis_url, ttl_s=60, prefix=redis_prefix)
+    store = RedisSessionStore.from_url(any_redis_url, ttl_s=60, prefix=any_redis_prefix)
 
     async def expiries() -> list[int]:
         return [await raw.pexpiretime(k) for k in keys]
