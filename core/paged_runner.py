@@ -138,6 +138,7 @@ class PagedRunner:
     capture the fast forward at start-up for buckets of up to ``max_batch_sessions`` sessions
     (core/cuda_graphs.py); None: on CUDA in fast numerics. ``probe_threads``: CPU thread counts
     exact numerics are checked at (as `LlamaDecoder`)."""
+    verifies_trees = False  # tree masks: the `Batch.mask` hook, not yet implemented
 
     def __init__(self, model: torch.nn.Module, page_tokens: int = 16, num_pages: int | None = None,
                  kv_budget_tokens: int | None = None, max_sessions: int = 1, kv_memory_fraction: float | None = None,

@@ -40,9 +40,17 @@ class Feed:
     start: int  # position of token_ids[0]: the cache holds valid keys and values for [0, start)
     token_ids: Sequence[int]
     num_last: int  # logits wanted for the last num_last of token_ids
+    # A token tree (core/tree.py): the last len(parents) of token_ids are its nodes, node i's parent
+    # an earlier node or -1 (the row before the tree). Node i sits at its parent's position + 1 and
+    # attends to the rows before the tree and its own ancestors; its keys and values go to buffer
+    # position start + row like any row's, and `keep_path` moves an accepted path's into place.
+    # Empty: every row is causal (a chain).
+    parents: tuple[int, ...] = ()
 
 
 class ModelRunner(Protocol):
+    verifies_trees: bool  # whether `forward` takes feeds with parents (else send a tree's main chain)
+
     def new_cache(self) -> object:
         """An empty cache for one sequence."""
 
@@ -62,9 +70,15 @@ class ModelRunner(Protocol):
     def write_prefix(self, cache: object, kv: torch.Tensor) -> None:
         """Adopt ``kv`` (as `read_kv` returns it) as positions [0, n) of ``cache`` (stored KV blocks)."""
 
+    def keep_path(self, cache: object, first: int, path: Sequence[int]) -> None:
+        """After a tree feed whose nodes' keys and values lie at positions ``first + node``: move the
+        accepted ``path``'s to ``first, first + 1, ...`` (then truncating to ``first + len(path)``
+        keeps exactly the accepted tokens', as after a chain)."""
+
 
 class LeanRunner:
     """specdec.core.llama_decode: one forward for the whole batch; a cache is a slot of the decoder's pool."""
+    verifies_trees = True
 
     def __init__(self, decoder) -> None:
         self.decoder = decoder
@@ -84,17 +98,22 @@ class LeanRunner:
     def write_prefix(self, cache, kv: torch.Tensor) -> None:
         self.decoder.write_prefix(cache, kv)
 
+    def keep_path(self, cache, first: int, path: Sequence[int]) -> None:
+        self.decoder.keep_path(cache, first, path)
+
     def forward(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
-        if len(feeds) == 1:  # the sequence path: no flattening to do
+        if len(feeds) == 1 and not feeds[0].parents:  # the sequence path: no flattening to do
             f = feeds[0]
             return [self.decoder.forward(f.cache, list(f.token_ids), f.start, f.num_last)]
         return self.decoder.forward_batch([f.cache for f in feeds], [list(f.token_ids) for f in feeds],
-                                          [f.start for f in feeds], [f.num_last for f in feeds])
+                                          [f.start for f in feeds], [f.num_last for f in feeds],
+                                          [f.parents for f in feeds])
 
 
 class HFRunner:
     """The model's own Hugging Face forward and DynamicCache, one feed at a time, on the model's device
-    (the reference path; no `read_kv`/`write_prefix`: its sessions keep no KV blocks)."""
+    (the reference path; no `read_kv`/`write_prefix`: its sessions keep no KV blocks; no trees)."""
+    verifies_trees = False
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -113,8 +132,13 @@ class HFRunner:
     def free(self, cache) -> None:
         pass
 
+    def keep_path(self, cache, first: int, path: Sequence[int]) -> None:
+        raise NotImplementedError("the transformers forward verifies chains only: send it a tree's main chain")
+
     @torch.inference_mode()
     def forward(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
+        if any(f.parents for f in feeds):
+            raise ValueError("the transformers forward verifies chains only: send it a tree's main chain")
         out = []
         device = self.model.get_input_embeddings().weight.device
         for f in feeds:
