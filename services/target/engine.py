@@ -7,6 +7,7 @@ verification rules over all of it (core/batch_rules.py). No gRPC here.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from specdec.core.runner import Feed, HFRunner, LeanRunner, ModelRunner
 from specdec.core.sampling import SamplingParams
 from specdec.core.session_table import FreedMemory, SessionTable
 from specdec.core.steps import MAX_PREFILL_TOKENS, DraftProposal, SessionSpec, VerifyOutcome, WorkerInfo, check_room, dense_draft_probs, validate_prompt
+from specdec.core.tree_rules import TreeOutcome, TreeStep, decide_tree_batch
 
 log = logging.getLogger(__name__)
 # Opens of one prefill batch whose prompts share at least this many leading tokens compute them once.
@@ -110,11 +112,30 @@ class SessionState:
     valid_len: int = 0
     blocks_written: int = 0  # full KV blocks handed to the store so far
 
-    def feed(self, draft_ids: Sequence[int] = ()) -> Feed:
+    def feed(self, draft_ids: Sequence[int] = (), parents: tuple[int, ...] = ()) -> Feed:
         """The committed tokens the cache lacks (at least the last one, whose logits judge the first
-        draft, or give a prefill its next token), then the drafts; logits for the last k + 1."""
+        draft, or give a prefill its next token), then the drafts (a chain, or a tree's nodes with
+        their ``parents``); logits for the last k + 1."""
         start = min(self.valid_len, len(self.committed) - 1)
-        return Feed(self.cache, start, self.committed[start:] + list(draft_ids), len(draft_ids) + 1)
+        return Feed(self.cache, start, self.committed[start:] + list(draft_ids), len(draft_ids) + 1, parents)
+
+
+def _decide(logits: torch.Tensor, steps: Sequence[RuleStep | TreeStep]) -> list[tuple[tuple[int, ...], int] | TreeOutcome]:
+    """Every step of a batch by its rule: the chains in one `decide_batch` call, the trees in one
+    `decide_tree_batch` call, each over its own rows (step i's k_i + 1 rows of ``logits``, in order)."""
+    rows = torch.tensor([0, *itertools.accumulate(len(s.tree) + 1 if isinstance(s, TreeStep) else s.k + 1 for s in steps)])
+    out: list = [None] * len(steps)
+    for kind, decide in ((RuleStep, decide_batch), (TreeStep, decide_tree_batch)):
+        members = [i for i, s in enumerate(steps) if isinstance(s, kind)]
+        if not members:
+            continue
+        if len(members) == len(steps):
+            part = logits
+        else:
+            part = logits[torch.cat([torch.arange(int(rows[i]), int(rows[i + 1])) for i in members]).to(logits.device)]
+        for i, outcome in zip(members, decide(part, [steps[i] for i in members])):
+            out[i] = outcome
+    return out
 
 
 class VerifierEngine:
@@ -303,7 +324,7 @@ class VerifierEngine:
         """
         t0 = time.perf_counter_ns()
         results: list[VerifyOutcome | SpecdecError | None] = [None] * len(steps)
-        checked = []  # (index, session, rule step)
+        checked = []  # (index, session, rule step: a chain's RuleStep or a tree's TreeStep)
         seen: set[str] = set()
         for i, (session_id, proposal) in enumerate(steps):
             try:  # validate everything before touching the session: a refused step leaves it as it was
@@ -317,16 +338,34 @@ class VerifierEngine:
                 results[i] = exc
                 continue
             seen.add(session_id)
-            checked.append((i, s, RuleStep(proposal.token_ids, draft_probs, s.sampling, n)))
+            checked.append((i, s, self._rule_step(proposal, draft_probs, s.sampling, n)))
         if checked:
-            logits = torch.cat(self._forward([s.feed(step.draft_ids) for _, s, step in checked]))  # [sum(k + 1), vocab], in order
-            decisions = decide_batch(logits, [step for _, _, step in checked])
-            for (i, s, step), (tokens, accepted) in zip(checked, decisions):
+            feeds = [s.feed(step.tree.token_ids, step.tree.parents) if isinstance(step, TreeStep) else s.feed(step.draft_ids)
+                     for _, s, step in checked]
+            logits = torch.cat(self._forward(feeds))  # [sum(k + 1), vocab], in order
+            for (i, s, step), outcome in zip(checked, _decide(logits, [step for _, _, step in checked])):
+                if isinstance(outcome, TreeOutcome):
+                    self.runner.keep_path(s.cache, step.position, outcome.path)  # the path's keys where a chain's would be
+                    tokens, accepted = outcome.tokens, outcome.accepted
+                else:
+                    tokens, accepted = outcome
                 s.valid_len = step.position + accepted  # the accepted drafts' keys are the committed tokens'
                 s.committed.extend(tokens)
                 results[i] = (tokens, accepted, len(s.committed))
         elapsed = time.perf_counter_ns() - t0  # each step waited for the whole batch
         return [VerifyOutcome(*r, elapsed) if isinstance(r, tuple) else r for r in results]
+
+    def _rule_step(self, proposal: DraftProposal, draft_probs: torch.Tensor | None, sampling: SamplingParams,
+                   n: int) -> RuleStep | TreeStep:
+        """A chain's step, or a tree's; a runner that cannot verify trees gets the tree's main chain."""
+        if not proposal.parents:
+            return RuleStep(proposal.token_ids, draft_probs, sampling, n)
+        tree = proposal.tree
+        if tree.is_chain:
+            return RuleStep(tree.token_ids, None, sampling, n)
+        if not self.runner.verifies_trees:
+            return RuleStep(tuple(tree.token_ids[j] for j in tree.main_chain), None, sampling, n)
+        return TreeStep(tree, sampling, n)
 
     def due_blocks(self, session_ids: Sequence[str]) -> list[tuple[str, list[tuple[int, bytes | PendingBlock]]]]:
         """The KV blocks of these sessions (those a batch just stepped) that have become full and
