@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.core.errors import Overloaded
+from specdec.core.tree import feed_mask, feed_positions
 
 ZERO_PAGE = 0  # never allocated: holds zeros, the target of padded gathers
 SCRATCH_PAGE = 1  # never allocated: padding rows (core/cuda_graphs.py) write their keys and values here
@@ -182,4 +183,19 @@ def allowed_positions(starts: torch.Tensor, rows: torch.Tensor, length: int, win
         allowed &= p > (pos - window)[:, :, None]
     pad = torch.arange(n_max)[None, :] >= rows[:, None]  # [S, R]
     allowed[pad] = p == 0
+    return allowed
+
+
+def tree_allowed(start: int, rows: int, parents: Sequence[int], window: int | None) -> torch.Tensor:
+    """[rows, start + rows] bool: the buffer positions each row of a feed whose last ``len(parents)``
+    rows are a token tree's nodes may attend to (core/tree.py `feed_mask`: the rows before the tree
+    and its own ancestors), and within ``window`` of its *position* (`feed_positions`: a node sits at
+    its parent's position + 1, not at its buffer index). A key's position is its buffer index before
+    the tree and its node's depth position within; the keys a node sees (the prefix and its
+    ancestors) lie at consecutive positions along its path, as in the chain of that path."""
+    allowed = feed_mask(start, rows, parents)
+    if window is not None:
+        pos = torch.tensor(feed_positions(start, rows, parents))  # [rows]
+        key_pos = torch.cat([torch.arange(start), pos])  # [start + rows]: buffer index -> position
+        allowed &= key_pos > (pos - window)[:, None]
     return allowed

@@ -10,9 +10,18 @@ Attention, fast numerics: each layer gathers every sequence's keys and values fr
 padded ``[sessions, kv_heads, longest, head_dim]`` batch and calls SDPA once with a mask
 ``[sessions, 1, most rows, longest]`` (causal, sliding window, padding). Measured against one SDPA
 per sequence and FlexAttention in docs/performance.md ("GPU runner"). The mask is built per row as
-the positions it may attend to (core/paged_kv.py `allowed_positions`), not as a causal flag, so tree
-drafts fit later: a feed's own ``allowed`` [rows, end] (a token sees its ancestors only) would be
-ANDed into its rows of `Batch.mask` (the hook; nothing passes one today).
+the positions it may attend to (core/paged_kv.py `allowed_positions`), not as a causal flag, so a
+row may see any set of positions.
+
+Token trees (core/tree.py; `Feed.parents`): the last ``len(parents)`` rows of a feed are a tree's
+nodes. A node's rotary angle is its position (its parent's + 1, `feed_positions`), its keys and
+values go to buffer position start + row like any row's, and its rows of the mask are the tree's
+(`feed_mask`: the rows before the tree and its own ancestors; core/paged_kv.py `tree_allowed`), in
+both attention modes and in exact numerics. Sliding windows count positions, not buffer indices:
+a node sees the keys within the window of its own position (the prefix and its ancestors lie at
+consecutive positions along its path, as in the chain of that path). `keep_path` then moves the
+accepted path's keys and values to where a chain's would be. A batch with a tree runs eagerly,
+never through a CUDA graph (the buckets' static masks are causal).
 
 Sliding-window models (Mistral, Qwen2's sliding layers) keep their whole cache and mask keys
 older than the window, so rollback stays exact (a rolling buffer would have dropped them).
@@ -41,8 +50,10 @@ import torch.nn.functional as F
 from specdec.core import exact_ops
 from specdec.core.cuda_graphs import CudaGraphs, buckets_for
 from specdec.core.models import WeightRelease, restore_weights, weights_released
-from specdec.core.paged_kv import FIRST_PAGE, ZERO_PAGE, PagedKV, PageTable, allowed_positions, pages_for_budget, pages_for_memory
+from specdec.core.paged_kv import (FIRST_PAGE, ZERO_PAGE, PagedKV, PageTable, allowed_positions, pages_for_budget,
+                                   pages_for_memory, tree_allowed)
 from specdec.core.runner import Feed
+from specdec.core.tree import feed_positions
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +91,10 @@ class Batch:
     Rows are the feeds' tokens one after another (N in all). ``write``: each row's flat KV slot
     (page * page_tokens + offset); ``gather`` [S, longest]: each sequence's slots for positions
     [0, longest), the zero page's first slot past its end; ``grid``: each row's place in the
-    padded [S, n_max] query grid; ``last``: the rows whose logits are returned."""
+    padded [S, n_max] query grid; ``last``: the rows whose logits are returned; ``positions``: each
+    row's position (a tree node's is its depth's, `feed_positions`; a row's buffer position, where
+    its keys and values go, is always its feed's start + row); ``parents``: each feed's tree (empty:
+    a chain)."""
 
     def __init__(self, alloc, feeds: Sequence[Feed]) -> None:
         pt = alloc.page_tokens
@@ -88,6 +102,8 @@ class Batch:
         self.starts = [f.start for f in feeds]
         self.ends = [s + n for s, n in zip(self.starts, self.lengths)]
         self.num_last = [f.num_last for f in feeds]
+        self.parents = [tuple(f.parents) for f in feeds]
+        self.has_trees = any(self.parents)
         self.n = sum(self.lengths)
         self.n_max = max(self.lengths)
         self.longest = max(self.ends)
@@ -97,7 +113,8 @@ class Batch:
         self.offsets = offsets
         tables = [f.cache for f in feeds]
         self.token_ids = torch.tensor([t for f in feeds for t in f.token_ids])  # [N]
-        self.positions = torch.cat([torch.arange(s, e) for s, e in zip(self.starts, self.ends)])  # [N]
+        self.positions = torch.tensor([r for s, n, p in zip(self.starts, self.lengths, self.parents)
+                                       for r in feed_positions(s, n, p)])  # [N]
         self.write = torch.tensor([slot for t, s, e in zip(tables, self.starts, self.ends) for slot in alloc.slots(t, s, e)])
         self.last = torch.tensor([r for b, m in enumerate(self.num_last) for r in range(offsets[b + 1] - m, offsets[b + 1])])
         table = torch.full((len(feeds), alloc.pages_for(self.longest)), ZERO_PAGE, dtype=torch.long)
@@ -117,12 +134,19 @@ class Batch:
         return self
 
     def mask(self, window: int | None) -> torch.Tensor:
-        """[S, 1, n_max, longest] bool for the layers of this window (built once per forward and window).
-        The per-feed mask hook for tree drafts goes here: AND a feed's allowed [rows, end] into its rows."""
+        """[S, 1, n_max, longest] bool for the layers of this window (built once per forward and window):
+        causal rows, and a tree feed's rows its tree's (`tree_allowed`)."""
         if window not in self._masks:
             allowed = allowed_positions(torch.tensor(self.starts), torch.tensor(self.lengths), self.longest, window, self.n_max)
+            for b, parents in enumerate(self.parents):
+                if parents:  # (past its end a tree row sees nothing either way: causal rows stop there too)
+                    allowed[b, :self.lengths[b], :self.ends[b]] = self.tree_allowed(b, window)
             self._masks[window] = allowed[:, None].to(self.device)
         return self._masks[window]
+
+    def tree_allowed(self, b: int, window: int | None) -> torch.Tensor:
+        """[rows, end] bool on the host: the buffer positions tree feed b's rows see (core/paged_kv.py)."""
+        return tree_allowed(self.starts[b], self.lengths[b], self.parents[b], window)
 
 
 class PagedRunner:
@@ -138,7 +162,7 @@ class PagedRunner:
     capture the fast forward at start-up for buckets of up to ``max_batch_sessions`` sessions
     (core/cuda_graphs.py); None: on CUDA in fast numerics. ``probe_threads``: CPU thread counts
     exact numerics are checked at (as `LlamaDecoder`)."""
-    verifies_trees = False  # tree masks: the `Batch.mask` hook, not yet implemented
+    verifies_trees = True  # feeds with parents: each node at its depth's position, masked to its ancestors
 
     def __init__(self, model: torch.nn.Module, page_tokens: int = 16, num_pages: int | None = None,
                  kv_budget_tokens: int | None = None, max_sessions: int = 1, kv_memory_fraction: float | None = None,
@@ -313,6 +337,23 @@ class PagedRunner:
         flat[:, :, slots] = kv.to(self.device, self.dtype).transpose(2, 3)
         cache.length = n
 
+    def keep_path(self, cache: PageTable, first: int, path: Sequence[int]) -> None:
+        """After a tree feed whose nodes' keys and values lie at positions ``first + node``: move the
+        accepted ``path``'s to ``first, first + 1, ...`` (every layer, keys and values), where a
+        chain's would be; truncating to ``first + len(path)`` then keeps exactly the accepted tokens'.
+        A path's nodes increase and node >= place, so each source lies at or after its target and no
+        move reads a slot an earlier one wrote (the gather below reads them all first anyway)."""
+        moves = [(first + place, first + node) for place, node in enumerate(path) if node != place]
+        if not moves:
+            return
+        if max(source for _, source in moves) >= cache.length:
+            raise ValueError(f"path {list(path)} after position {first} reaches past the cache's {cache.length} positions")
+        alloc = self.kv.alloc
+        targets = torch.tensor([alloc.slots(cache, t, t + 1)[0] for t, _ in moves], device=self.device)
+        sources = torch.tensor([alloc.slots(cache, s, s + 1)[0] for _, s in moves], device=self.device)
+        flat = self.kv.pages.flatten(2, 3)  # [layers, 2, pages * page_tokens, kv, d] (a view)
+        flat[:, :, targets] = flat[:, :, sources]
+
     @torch.inference_mode()
     def forward(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
         """One forward over every feed's rows; logits [num_last, vocab] float32 per feed, in order."""
@@ -320,6 +361,8 @@ class PagedRunner:
         for f in feeds:
             if f.start > f.cache.length:
                 raise ValueError(f"a feed starts at {f.start} but its cache holds {f.cache.length} positions")
+            if len(f.parents) > len(f.token_ids):
+                raise ValueError(f"a feed of {len(f.token_ids)} rows cannot hold a tree of {len(f.parents)} nodes")
             if f.start + len(f.token_ids) > self.context_length:
                 raise ValueError(f"{f.start + len(f.token_ids)} positions exceed the model's context length {self.context_length}")
         ends = [f.start + len(f.token_ids) for f in feeds]
@@ -328,7 +371,8 @@ class PagedRunner:
             alloc.truncate(f.cache, end)  # pages past the feed's end go back
             f.cache.length = min(f.cache.length, f.start)  # what lies past the feed's start is forgotten
         batch = Batch(alloc, feeds)
-        out = self.graphs.run(batch) if self.graphs is not None else None  # None: no bucket holds it
+        # None: no bucket holds it, or a tree (the buckets' masks are causal): eagerly
+        out = self.graphs.run(batch) if self.graphs is not None and not batch.has_trees else None
         if out is None:
             gathers_cpu = batch.gather
             out = list(self._forward(batch.to(self.device), gathers_cpu).split(batch.num_last))
@@ -439,9 +483,15 @@ class PagedRunner:
             index[:end] = gathers_cpu[b, :end]
             tile = self.exact_tile(n)
             tiles = []
+            tree = batch.tree_allowed(b, window) if batch.parents[b] else None  # [n, end]
             for t0 in range(0, n, tile):
                 rows = min(tile, n - t0)
-                see = allowed_positions(torch.tensor([start + t0]), torch.tensor([rows]), length, window, tile)[0]  # [tile, L]
+                if tree is None:
+                    see = allowed_positions(torch.tensor([start + t0]), torch.tensor([rows]), length, window, tile)[0]  # [tile, L]
+                else:  # the tree's rows; padding rows see position 0 only, as `allowed_positions` gives them
+                    see = torch.zeros(tile, length, dtype=torch.bool)
+                    see[:rows, :end] = tree[t0:t0 + rows]
+                    see[rows:, 0] = True
                 bias = torch.zeros(tile, length).masked_fill_(~see, float("-inf"))
                 bias = bias[None, :, None, :].expand(kv, tile, g, length).reshape(kv, tile * g, length)
                 tiles.append((t0, rows, bias.to(self.device)))

@@ -104,7 +104,7 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
                    help="how sampled drafts are verified (default coupled: a seed gives the same text whatever "
                         "the speculation; rejection: Leviathan et al.'s rule)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--drafter", default="model", help="model | ngram")
+    p.add_argument("--drafter", default="model", help="model | ngram | tree (token trees from the draft model)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="fixed speculation length (default: adaptive)")
     p.add_argument("--max-speculative-tokens", type=int, default=8, help="adaptive upper bound")
     p.add_argument("--no-overlap", action="store_true",

@@ -18,7 +18,7 @@ from specdec.core.tree import ROOT
 from specdec.target.engine import TargetConfig, VerifierEngine
 
 PROMPTS = 20
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 _engines: dict = {}
 
 
@@ -92,12 +92,20 @@ def decode_with_trees(engine: VerifierEngine, prompt_ids: list[list[int]], refer
     return [o[:len(r)] for o, r in zip(out, reference)], off_chain
 
 
-@pytest.mark.parametrize("runner, numerics", [("lean", "fast"), ("lean", "exact"), ("hf", "auto")])
-def test_greedy_trees_equal_target_only_generate(tiny_pair, runner, numerics):
+@pytest.fixture(scope="module")
+def references(tiny_pair) -> tuple[list[list[int]], list[list[int]]]:
+    """PROMPTS prompts and target-only greedy `generate` after each."""
+    loaded = load_causal_lm(tiny_pair[0])
+    ps = prompts(loaded.vocab_size)
+    return ps, [hf_greedy(loaded.model, p, NEW_TOKENS) for p in ps]
+
+
+@pytest.mark.parametrize("runner, numerics, count", [("lean", "fast", PROMPTS), ("lean", "exact", PROMPTS),
+                                                     ("paged", "exact", PROMPTS), ("hf", "auto", 6)])
+def test_greedy_trees_equal_target_only_generate(tiny_pair, references, runner, numerics, count):
+    """``count`` prompts (the transformers runner, which verifies the main chain, is slow: a few)."""
     engine = engine_for(tiny_pair[0], runner, numerics)
-    model = load_causal_lm(tiny_pair[0]).model
-    ps = prompts(engine.loaded.vocab_size)
-    reference = [hf_greedy(model, p, NEW_TOKENS) for p in ps]
+    ps, reference = references[0][:count], references[1][:count]
     got, off_chain = decode_with_trees(engine, ps, reference, SamplingParams(), seed=1)
     assert got == reference
     if engine.runner.verifies_trees:
@@ -106,7 +114,7 @@ def test_greedy_trees_equal_target_only_generate(tiny_pair, runner, numerics):
 
 def test_coupled_trees_give_target_only_coupled_tokens(tiny_pair):
     engine = engine_for(tiny_pair[0], "lean", "exact")
-    ps = prompts(engine.loaded.vocab_size)[:8]
+    ps = prompts(engine.loaded.vocab_size)[:6]
     sampling = SamplingParams(temperature=0.9, top_k=40, seed=23, rule=VerificationRule.COUPLED)
     alone = []
     for p in ps:  # target-only coupled sampling: k = 0 every step
@@ -119,3 +127,48 @@ def test_coupled_trees_give_target_only_coupled_tokens(tiny_pair):
         alone.append(out[:NEW_TOKENS])
     got, _ = decode_with_trees(engine, ps, alone, sampling, seed=2)
     assert got == alone
+
+
+# ----------------------------------------------------------------------------- the tree drafter
+@pytest.fixture(scope="module")
+def tree_drafter(tiny_pair):
+    from specdec.draft.drafters import DraftConfig, build_drafters
+
+    drafters = build_drafters(DraftConfig(draft_model_path=tiny_pair[1]))
+    return drafters["tree"], drafters["model"]
+
+
+@pytest.mark.parametrize("budget", [1, 4, 8, 16])
+def test_the_tree_drafter_spends_its_budget_on_a_valid_tree(tree_drafter, budget):
+    tree, model = tree_drafter
+    prompt = list(range(3, 40))
+    proposal = tree.open(prompt, SamplingParams()).propose(prompt, budget)
+    assert 1 <= len(proposal.token_ids) <= budget
+    shape = proposal.tree  # validates parents
+    chain = model.open(prompt, SamplingParams()).propose(prompt, 1)
+    assert shape.token_ids[shape.children[ROOT][0]] == chain.token_ids[0]  # the draft's first choice comes first
+    if budget >= 8:
+        assert not shape.is_chain  # the random pair is unsure: its budget branches
+
+
+async def test_greedy_over_grpc_with_the_tree_drafter_equals_target_only(cluster, tiny_pair):
+    """20 prompts at tree budgets 4 and 8 in turn, against `generate` (one model load for all)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from test_e2e import MAX_NEW, prompts as e2e_prompts, request
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair[0], local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0], local_files_only=True, dtype=torch.float32).eval()
+    for i, prompt in enumerate(e2e_prompts(20)):
+        reply = await cluster.stub.Generate(request(prompt, (4, 8)[i % 2], "tree"))
+        assert reply.token_ids == hf_greedy(model, tok(prompt)["input_ids"], MAX_NEW), prompt
+        assert reply.stats.draft_tokens > 0
+
+
+async def test_coupled_over_grpc_with_the_tree_drafter_is_seed_exact(cluster):
+    from test_e2e import prompts as e2e_prompts, request
+
+    for prompt in e2e_prompts(6):
+        plain = await cluster.stub.Generate(request(prompt, 0, "model", temperature=0.8, seed=5))
+        tree = await cluster.stub.Generate(request(prompt, 8, "tree", temperature=0.8, seed=5))
+        assert tuple(tree.token_ids) == tuple(plain.token_ids), prompt

@@ -1,6 +1,6 @@
 """What every drafter implements and is configured by: the session and drafter protocols, DraftConfig.
 
-The implementations (model_drafter, ngram) import only this module and the core; the registry
+The implementations (model_drafter, ngram; tree_drafter builds on model_drafter) import only this module, the core and each other, never the registry; the registry
 (specdec.draft.drafters) imports them. So the registry knows the drafters and no drafter knows the
 registry: drafters depend one way.
 """

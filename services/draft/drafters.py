@@ -7,7 +7,7 @@ drafter from here.
 from __future__ import annotations
 
 from specdec.core.errors import InvalidRequest
-from specdec.draft import model_drafter, ngram
+from specdec.draft import model_drafter, ngram, tree_drafter
 from specdec.draft.base import DraftConfig, Drafter, DrafterFactory, DraftSession  # noqa: F401 (re-exported)
 
 # name (the request's `drafter` field) -> factory; a factory returns None when the configuration
@@ -18,10 +18,20 @@ REGISTRY: dict[str, DrafterFactory] = {
 }
 
 
+# name -> factory of a drafter built over others (sharing their model); None when it cannot be.
+DERIVED = {
+    "tree": tree_drafter.derive,
+}
+
+
 def build_drafters(config: DraftConfig) -> dict[str, Drafter]:
     """Every registered drafter this configuration can serve, by name."""
     built = {name: factory(config) for name, factory in REGISTRY.items()}
-    return {name: d for name, d in built.items() if d is not None}
+    drafters = {name: d for name, d in built.items() if d is not None}
+    for name, derive in DERIVED.items():
+        if (d := derive(drafters, config)) is not None:
+            drafters[name] = d
+    return drafters
 
 
 def pick(drafters: dict[str, Drafter], name: str) -> Drafter:

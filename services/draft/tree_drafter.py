@@ -1,0 +1,115 @@
+"""Drafting token trees with the draft model (drafter ``tree``): several continuations per block.
+
+A chain spends its k rows on one guess per position; after the first wrong guess the rest is wasted.
+A tree spends them where the draft is unsure (EAGLE-2's dynamic trees, Li et al. 2024,
+https://arxiv.org/abs/2406.16858): depth by depth, each frontier node's ``BRANCH`` likeliest
+children become candidates scored by the path's cumulative draft log-probability, the ``WIDTH``
+best are added and expanded next; at the end the ``k`` best-scored nodes form the block (a node
+scores below its parent, so the choice keeps every chosen node's ancestors). A confident draft
+thereby goes deep; an unsure one branches.
+
+Rules: greedy ranks by the draft's logits; the coupled rule by its processed log-probabilities plus
+the request's noise at the node's position (its first child is then the draft's own coupled token,
+the chain's draft); the rejection rule by processed log-probabilities. Every node is a point mass,
+which each tree rule verifies exactly (core/tree_rules.py). One draft forward per depth feeds the
+whole tree so far (core/tree.py masks: a node sees the committed tokens and its ancestors).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from specdec.core.coupled import processed_logprobs
+from specdec.core.noise import gumbel_noise
+from specdec.core.runner import Feed
+from specdec.core.sampling import SamplingParams
+from specdec.core.steps import DraftProposal
+from specdec.core.tree import ROOT, depths
+from specdec.draft.base import DraftConfig
+from specdec.draft.model_drafter import ModelDrafter, ModelDraftSession
+
+BRANCH = 3  # children considered per expanded node
+WIDTH = 3  # nodes added per depth (the frontier of the next)
+
+
+class TreeDraftSession:
+    def __init__(self, session: ModelDraftSession, runner, sampling: SamplingParams) -> None:
+        self._session = session  # its KV sequence holds the committed tokens' keys and values
+        self._runner = runner
+        self._sampling = sampling
+
+    def propose(self, committed: Sequence[int], num_speculative_tokens: int, num_alternatives: int = 0,
+                interrupt: Callable[[], bool] | None = None) -> DraftProposal:
+        """A tree of at most ``num_speculative_tokens`` nodes after ``committed``."""
+        t0 = time.perf_counter_ns()
+        budget = num_speculative_tokens
+        if budget <= 0:
+            return DraftProposal(())
+        n = len(committed)
+        kv = self._session._kv
+        frontier = [(ROOT, 0.0, kv.logits_for(committed, 1)[0])]  # (node, path score, its logits [vocab])
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        for depth in range(budget):
+            candidates = []  # (score, parent, token)
+            for node, score, logits in frontier:
+                ranked, logprobs = self._ranked(logits, n + depth)
+                top = torch.topk(ranked, min(BRANCH, ranked.shape[-1])).indices
+                for token, lp in zip(top.tolist(), logprobs[top].tolist()):
+                    if lp > float("-inf"):
+                        candidates.append((score + lp, node, token))
+            candidates.sort(key=lambda c: -c[0])
+            added = []
+            for score, parent, token in candidates[:WIDTH]:
+                tokens.append(token)
+                parents.append(parent)
+                scores.append(score)
+                added.append(len(tokens) - 1)
+            if not added or depth == budget - 1 or (interrupt is not None and interrupt()):
+                break
+            rows = self._runner.forward([Feed(kv._cache, n, list(tokens), len(added), tuple(parents))])[0]  # [len(added), vocab]
+            frontier = [(node, scores[node], rows[j]) for j, node in enumerate(added)]
+        node_depths = depths(parents)  # ties (a child as likely as its parent) keep the parent first
+        keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], node_depths[i], i))[:budget])
+        index = {old: new for new, old in enumerate(keep)}
+        chosen = [(tokens[i], ROOT if parents[i] == ROOT else index[parents[i]]) for i in keep]
+        ids, tree_parents = tuple(t for t, _ in chosen), tuple(p for _, p in chosen)
+        if all(p == i - 1 for i, p in enumerate(tree_parents)):
+            tree_parents = ()  # a chain: sent as one
+        return DraftProposal(ids, None, time.perf_counter_ns() - t0, parents=tree_parents)
+
+    def _ranked(self, logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what candidates are ranked by, the draft's log-probabilities that score a path), [vocab] each."""
+        s = self._sampling
+        if s.greedy:
+            logprobs = torch.log_softmax(logits.float(), -1)
+            return logprobs, logprobs
+        logprobs = processed_logprobs(logits, s)
+        if s.coupled:
+            return logprobs + gumbel_noise(s.seed, (position,), logits.shape[-1], logits.device)[0], logprobs
+        return logprobs, logprobs
+
+
+class TreeDrafter:
+    """Trees from a `ModelDrafter`'s model (shared, not loaded again), where its runner verifies trees."""
+
+    name = "tree"
+
+    def __init__(self, model_drafter: ModelDrafter) -> None:
+        self._drafter = model_drafter
+        self.vocab_size = model_drafter.vocab_size
+        self.loaded = model_drafter.loaded
+
+    def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TreeDraftSession:
+        return TreeDraftSession(self._drafter.open(prompt_ids, sampling), self._drafter.runner, sampling)
+
+
+def derive(drafters: dict, config: DraftConfig) -> TreeDrafter | None:
+    """The registry's derived factory: a tree drafter over the ``model`` drafter, if its runner takes trees."""
+    model = drafters.get("model")
+    if model is None or not getattr(model.runner, "verifies_trees", False):
+        return None
+    return TreeDrafter(model)
