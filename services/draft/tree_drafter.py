@@ -3,8 +3,8 @@
 A chain spends its k rows on one guess per position; after the first wrong guess the rest is wasted.
 A tree spends them where the draft is unsure (EAGLE-2's dynamic trees, Li et al. 2024,
 https://arxiv.org/abs/2406.16858): depth by depth, each frontier node's ``BRANCH`` likeliest
-children become candidates scored by the path's cumulative draft log-probability, the ``WIDTH``
-best are added and expanded next; at the end the ``k`` best-scored nodes form the block (a node
+children become candidates scored by the path's cumulative draft log-probability, the ``width``
+best are added and expanded next (`width_for`); at the end the ``k`` best-scored nodes form the block (a node
 scores below its parent, so the choice keeps every chosen node's ancestors). A confident draft
 thereby goes deep; an unsure one branches.
 
@@ -16,6 +16,7 @@ whole tree so far (core/tree.py masks: a node sees the committed tokens and its 
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -31,7 +32,13 @@ from specdec.draft.base import DraftConfig
 from specdec.draft.model_drafter import ModelDrafter, ModelDraftSession
 
 BRANCH = 3  # children considered per expanded node
-WIDTH = 3  # nodes added per depth (the frontier of the next)
+
+
+def width_for(budget: int) -> int:
+    """Nodes added per depth (the next frontier): about the square root of the budget, less one, so a
+    small budget stays nearly a chain (at 3 nodes, branching costs depth the chain would have used)
+    and a large one branches; the tree grows ``budget / width + 1`` deep at most."""
+    return max(1, round(math.sqrt(budget)) - 1)
 
 
 class TreeDraftSession:
@@ -47,13 +54,15 @@ class TreeDraftSession:
         budget = num_speculative_tokens
         if budget <= 0:
             return DraftProposal(())
+        width = width_for(budget)
+        max_depth = -(-budget // width) + 1
         n = len(committed)
         kv = self._session._kv
         frontier = [(ROOT, 0.0, kv.logits_for(committed, 1)[0])]  # (node, path score, its logits [vocab])
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
-        for depth in range(budget):
+        for depth in range(max_depth):
             candidates = []  # (score, parent, token)
             for node, score, logits in frontier:
                 ranked, logprobs = self._ranked(logits, n + depth)
@@ -63,12 +72,12 @@ class TreeDraftSession:
                         candidates.append((score + lp, node, token))
             candidates.sort(key=lambda c: -c[0])
             added = []
-            for score, parent, token in candidates[:WIDTH]:
+            for score, parent, token in candidates[:width]:
                 tokens.append(token)
                 parents.append(parent)
                 scores.append(score)
                 added.append(len(tokens) - 1)
-            if not added or depth == budget - 1 or (interrupt is not None and interrupt()):
+            if not added or depth == max_depth - 1 or (interrupt is not None and interrupt()):
                 break
             rows = self._runner.forward([Feed(kv._cache, n, list(tokens), len(added), tuple(parents))])[0]  # [len(added), vocab]
             frontier = [(node, scores[node], rows[j]) for j, node in enumerate(added)]
