@@ -11,6 +11,7 @@ from specdec.core.sessions import unpack_ids
 from specdec.v1 import common_pb2, generation_pb2 as pb
 
 from cluster import drafts_settle_before_each_verify
+from grid import FULL_GRID
 from tiny_models import corpus_texts
 
 MAX_NEW = 24
@@ -45,9 +46,17 @@ def request(prompt: str, k: int | None, drafter: str, max_new: int = MAX_NEW, ov
                               speculation=policy)
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
-@pytest.mark.parametrize("k, overlap", [(1, True), (3, True), (5, True), (None, True), (3, False)],
-                         ids=["k1", "k3", "k5", "adaptive", "k3-no-overlap"])
+GREEDY_GRID = [(drafter, k, overlap) for drafter in ("model", "ngram")
+               for k, overlap in ((1, True), (3, True), (5, True), (None, True), (3, False))]
+# By default (tests/grid.py) every k, overlap setting and drafter at least once, and the model
+# drafter with drafting ahead at k >= 3 (where the overlap assertion below applies).
+DEFAULT_GREEDY = {("model", 1, True), ("model", 5, True), ("model", None, True), ("model", 3, False),
+                  ("ngram", 3, True), ("ngram", None, True)}
+
+
+@pytest.mark.parametrize("drafter, k, overlap", [
+    pytest.param(*c, id=f"{'adaptive' if c[1] is None else f'k{c[1]}'}{'' if c[2] else '-no-overlap'}-{c[0]}")
+    for c in GREEDY_GRID if FULL_GRID or c in DEFAULT_GREEDY])
 async def test_greedy_equals_target_only_greedy(cluster, tiny_pair, drafter, k, overlap):
     """Over the streaming path (Speculate between drafter and verifier, Generate to the orchestrator).
 
