@@ -61,6 +61,10 @@ class Method:
     family: str
     policy: SpeculationPolicy | None = None  # None: target_only
     distributed: bool = False
+    drafter: str = "model"  # the request's drafter: model (chains) or tree (token trees of k nodes)
+
+
+TREE_BUDGETS = (3, 7, 15)
 
 
 def policy(k: int | None, overlap: bool) -> SpeculationPolicy:
@@ -78,6 +82,10 @@ def all_methods(ks: tuple[int, ...]) -> list[Method]:
             fixed = (4,) if (where, mode) == ("inproc", "overlap") else ks
             methods += [Method(f"{where}_{mode}_k{k}", family, policy(k, overlap), dist) for k in fixed]
             methods.append(Method(f"{where}_{mode}_adaptive", family, policy(None, overlap), dist))
+    # Token trees of k nodes (k + 1 verified rows; benchmarks/bench_trees.py compares them at equal rows).
+    methods += [Method(f"inproc_seq_tree{k}", "in-process, sequential, token trees", policy(k, False), drafter="tree")
+                for k in TREE_BUDGETS]
+    methods.append(Method("dist_overlap_tree7", "distributed, overlap, token trees", policy(7, True), True, "tree"))
     return methods
 
 

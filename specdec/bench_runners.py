@@ -94,9 +94,9 @@ class Runners:
         elif method.policy is None:
             ids, counters = self._hf(prompt), None
         elif method.distributed:
-            ids, counters = await self._remote(prompt, method.policy)
+            ids, counters = await self._remote(prompt, method.policy, method.drafter)
         else:
-            ids, counters = await self._inproc(prompt, method.policy)
+            ids, counters = await self._inproc(prompt, method.policy, method.drafter)
         return Run(ids, time.perf_counter() - t0, counters)
 
     def _hf(self, prompt: str) -> tuple[int, ...]:
@@ -111,15 +111,15 @@ class Runners:
             torch.set_num_threads(self.threads)
         return tuple(out[0, ids.shape[1]:].tolist())
 
-    async def _inproc(self, prompt: str, pol: SpeculationPolicy) -> tuple[tuple[int, ...], SpecCounters]:
+    async def _inproc(self, prompt: str, pol: SpeculationPolicy, drafter: str = "model") -> tuple[tuple[int, ...], SpecCounters]:
         from specdec.orchestrator.loop import collect
         from specdec.orchestrator.request import GenerationRequest
 
         last, ids, _ = await collect(self.orch.generate(
-            GenerationRequest(prompt_text=prompt, max_new_tokens=self.n, drafter="model", policy=pol)))
+            GenerationRequest(prompt_text=prompt, max_new_tokens=self.n, drafter=drafter, policy=pol)))
         return ids, last.counters
 
-    async def _remote(self, prompt: str, pol: SpeculationPolicy) -> tuple[tuple[int, ...], SpecCounters]:
+    async def _remote(self, prompt: str, pol: SpeculationPolicy, drafter: str = "model") -> tuple[tuple[int, ...], SpecCounters]:
         import grpc
 
         from specdec.v1 import common_pb2, generation_pb2 as pb
@@ -128,7 +128,7 @@ class Runners:
         spec = common_pb2.SpeculationPolicy(mode=mode, num_speculative_tokens=pol.num_speculative_tokens,
                                             max_speculative_tokens=pol.max_speculative_tokens, overlap=pol.overlap)
         try:
-            r = await self.stub.Generate(pb.GenerateRequest(text=prompt, max_new_tokens=self.n, drafter="model", speculation=spec),
+            r = await self.stub.Generate(pb.GenerateRequest(text=prompt, max_new_tokens=self.n, drafter=drafter, speculation=spec),
                                          timeout=600)
         except grpc.aio.AioRpcError as err:
             raise BenchError(f"the distributed orchestrator at {self.address} failed: {err.code().name}: {err.details()}") from err
