@@ -33,6 +33,9 @@ SPEC_DECODE_NUM_DRAFTS = "specdec_spec_decode_num_drafts_total"
 SPEC_DECODE_NUM_DRAFT_TOKENS = "specdec_spec_decode_num_draft_tokens_total"
 SPEC_DECODE_NUM_ACCEPTED_TOKENS = "specdec_spec_decode_num_accepted_tokens_total"
 SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "specdec_spec_decode_num_accepted_tokens_per_pos_total"
+SPEC_DECODE_DRAFTER_ROUNDS = "specdec_spec_decode_drafter_rounds_total"
+SPEC_DECODE_DRAFTER_DRAFT_TOKENS = "specdec_spec_decode_drafter_draft_tokens_total"
+SPEC_DECODE_DRAFTER_ACCEPTED_TOKENS = "specdec_spec_decode_drafter_accepted_tokens_total"
 NUM_REQUESTS_RUNNING = "specdec_num_requests_running"
 NUM_REQUESTS_WAITING = "specdec_num_requests_waiting"
 TIME_TO_FIRST_TOKEN = "specdec_time_to_first_token_seconds"
@@ -145,6 +148,13 @@ class VerifierMetrics:
             SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS.removesuffix("_total"),
             "Accepted draft tokens by their position in the block (0: the first draft token).", ["position"],
             registry=registry)
+        # The same, by the request's drafter (model, ngram, tree, ...): which kind pays, per deployment.
+        self.drafter_rounds = Counter(SPEC_DECODE_DRAFTER_ROUNDS.removesuffix("_total"),
+                                      "Verification rounds that checked drafts, by drafter.", ["drafter"], registry=registry)
+        self.drafter_draft_tokens = Counter(SPEC_DECODE_DRAFTER_DRAFT_TOKENS.removesuffix("_total"),
+                                            "Draft tokens (tree nodes) proposed, by drafter.", ["drafter"], registry=registry)
+        self.drafter_accepted_tokens = Counter(SPEC_DECODE_DRAFTER_ACCEPTED_TOKENS.removesuffix("_total"),
+                                               "Draft tokens accepted, by drafter.", ["drafter"], registry=registry)
         self.verify_rounds = Counter(VERIFY_ROUNDS.removesuffix("_total"),
                                      "Verification rounds (target forwards per session), with or without drafts.",
                                      registry=registry)
@@ -156,10 +166,13 @@ class VerifierMetrics:
         registry.register(self.busy_clock)
         self.worker = worker or WorkerMetrics(registry)
 
-    def observe_round(self, num_draft_tokens: int, num_accepted: int, draft_wait_s: float | None = None) -> None:
-        """After each verification round: tokens drafted (0: plain decoding) and accepted.
+    def observe_round(self, num_draft_tokens: int, num_accepted: int, draft_wait_s: float | None = None,
+                      drafter: str = "") -> None:
+        """After each verification round: tokens drafted (0: plain decoding) and accepted, by ``drafter``
+        where named.
 
-        Accepted tokens are a prefix of the block, so positions 0..num_accepted-1 were accepted.
+        Accepted tokens are a prefix of the block (of a tree: the accepted path, position by depth),
+        so positions 0..num_accepted-1 were accepted.
         """
         if not 0 <= num_accepted <= num_draft_tokens:
             raise ValueError(f"accepted {num_accepted} of {num_draft_tokens} draft tokens")
@@ -170,6 +183,10 @@ class VerifierMetrics:
             self.num_accepted_tokens.inc(num_accepted)
             for position in range(num_accepted):
                 self.num_accepted_tokens_per_pos.labels(position=str(position)).inc()
+            if drafter:
+                self.drafter_rounds.labels(drafter=drafter).inc()
+                self.drafter_draft_tokens.labels(drafter=drafter).inc(num_draft_tokens)
+                self.drafter_accepted_tokens.labels(drafter=drafter).inc(num_accepted)
         if draft_wait_s is not None:
             self.draft_wait.observe(draft_wait_s)
 

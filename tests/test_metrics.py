@@ -44,9 +44,9 @@ def test_verifier_round_counters_and_positions(served):
     registry, server = served
     clock = FakeClock()
     verifier = m.VerifierMetrics(registry, clock=clock)
-    verifier.observe_round(4, 2, draft_wait_s=0.003)
-    verifier.observe_round(4, 4, draft_wait_s=0.0)
-    verifier.observe_round(0, 0)  # plain decoding: a round, not a draft
+    verifier.observe_round(4, 2, draft_wait_s=0.003, drafter="model")
+    verifier.observe_round(4, 4, draft_wait_s=0.0, drafter="tree")
+    verifier.observe_round(0, 0, drafter="tree")  # plain decoding: a round, not a draft
     with verifier.busy():
         clock.now += 0.25
     verifier.set_queued_steps(3)
@@ -58,6 +58,9 @@ def test_verifier_round_counters_and_positions(served):
     assert got[m.SPEC_DECODE_NUM_ACCEPTED_TOKENS][()] == 6
     per_pos = got[m.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS]
     assert per_pos == {(("position", "0"),): 2, (("position", "1"),): 2, (("position", "2"),): 1, (("position", "3"),): 1}
+    assert got[m.SPEC_DECODE_DRAFTER_ROUNDS] == {(("drafter", "model"),): 1, (("drafter", "tree"),): 1}
+    assert got[m.SPEC_DECODE_DRAFTER_DRAFT_TOKENS] == {(("drafter", "model"),): 4, (("drafter", "tree"),): 4}
+    assert got[m.SPEC_DECODE_DRAFTER_ACCEPTED_TOKENS] == {(("drafter", "model"),): 2, (("drafter", "tree"),): 4}
     assert got[m.VERIFIER_BUSY_SECONDS][()] == pytest.approx(0.25)
     assert got[m.VERIFIER_QUEUED_STEPS][()] == 3
     assert got[m.VERIFY_DRAFT_WAIT + "_count"][()] == 2

@@ -49,6 +49,11 @@ async def test_a_request_moves_every_role_by_what_its_stats_say(measured):
     assert value(target, m.SPEC_DECODE_NUM_DRAFTS) == stats.drafts
     per_pos = sum(value(target, m.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS, position=str(p)) for p in range(3))
     assert per_pos == stats.accepted_tokens
+    # The same by drafter: all of it the model drafter's.
+    assert value(target, m.SPEC_DECODE_DRAFTER_DRAFT_TOKENS, drafter="model") == stats.draft_tokens
+    assert value(target, m.SPEC_DECODE_DRAFTER_ACCEPTED_TOKENS, drafter="model") == stats.accepted_tokens
+    assert value(target, m.SPEC_DECODE_DRAFTER_ROUNDS, drafter="model") == stats.drafts
+    assert value(target, m.SPEC_DECODE_DRAFTER_DRAFT_TOKENS, drafter="ngram") == 0
     assert value(target, m.VERIFIER_BUSY_SECONDS) > 0
     # Drafter: at least the tokens the verifier saw were drafted (pre-drafted branches count too).
     assert value(draft, m.DRAFTER_DRAFT_TOKENS) >= stats.draft_tokens

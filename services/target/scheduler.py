@@ -376,7 +376,8 @@ class VerifierScheduler:
         if drafted and ticket.draft_s > 0:
             self.batch_costs.observe_draft(ticket.draft_s / drafted)
         if self.metrics is not None:  # the draft wait only means something while a drafter is linked
-            self.metrics.observe_round(drafted, outcome.num_accepted, timing.wait_s if ticket.linked else None)
+            self.metrics.observe_round(drafted, outcome.num_accepted, timing.wait_s if ticket.linked else None,
+                                       plan.run.spec.drafter)
 
     @staticmethod
     def _cut(plan: SessionPlan, token_ids: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
