@@ -9,13 +9,14 @@ import sys
 import time
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.core.llama_decode import native_bf16
 from specdec.v1 import common_pb2, generation_pb2 as pb, generation_pb2_grpc
 
-ENV = {**os.environ, "SPECDEC_TARGET_MODEL": "", "SPECDEC_DRAFT_MODEL": ""}
+ENV = {**os.environ, "SPECDEC_TARGET_MODEL": "", "SPECDEC_DRAFT_MODEL": "", "SPECDEC_API_KEYS_FILE": ""}
 
 
 def specdec(*args: str, timeout: float = 120, env=None) -> subprocess.CompletedProcess:
@@ -135,9 +136,10 @@ def test_up_starts_one_process_per_role_each_over_every_worker():
 @pytest.mark.timeout(900)  # six processes that each load both models, twice two of them
 def test_up_serves_against_redis_and_restarts_a_process_that_dies(tiny_pair, redis_url, capsys):
     """`specdec up --replicas 2`: six processes against Redis. Greedy and seeded requests through it
-    give what one process gives; kill -9 one verifier and one orchestrator, and a client given both
-    orchestrators still gets the whole greedy completion; `up` restarts the two. (One `up` for all of
-    it: each start costs seconds of model loading per process.)"""
+    give what one process gives; its HTTP API answers on the ports after the gRPC ones, and it prints
+    their URLs and one warning for running without keys; kill -9 one verifier and one orchestrator,
+    and a client given both orchestrators still gets the whole greedy completion; `up` restarts the
+    two. (One `up` for all of it: each start costs seconds of model loading per process.)"""
     import signal
 
     from specdec.cli import up_ports
@@ -159,6 +161,19 @@ def test_up_serves_against_redis_and_restarts_a_process_that_dies(tiny_pair, red
             assert len(reply.token_ids) == 10
             info = stub.GetSession(pb.GetSessionRequest(session_id=reply.session_id), timeout=10)
             assert list(info.output_token_ids) == list(reply.token_ids)
+        # The OpenAI-compatible HTTP API of orchestrator 0, after the gRPC ports (base + 3 x replicas).
+        http_url = f"http://127.0.0.1:{base + 6}/v1"
+        completion = None
+        deadline = time.time() + 60
+        while completion is None and time.time() < deadline:  # HTTP binds just after gRPC turns healthy
+            try:
+                completion = httpx.post(http_url + "/completions", json={"prompt": "import os\n", "max_tokens": 6,
+                                                                         "temperature": 0}, timeout=60)
+            except httpx.ConnectError:
+                time.sleep(0.2)
+        assert completion is not None and completion.status_code == 200, completion and completion.text
+        assert completion.json()["usage"]["completion_tokens"] == 6
+        assert completion.json()["model"] == os.path.basename(target)
         # Seed-exact: the same seed gives the same text through `specdec up` (adaptive k, model
         # drafter) as in one process without speculation, and with another drafter and k.
         seeded = ("--seed", "5", "--temperature", "0.8", "--top-p", "0.95", "--max-new-tokens", "12", "--json")
@@ -199,6 +214,10 @@ def test_up_serves_against_redis_and_restarts_a_process_that_dies(tiny_pair, red
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert out.count("restarting it") == 2, out
+    for port in (base + 6, base + 7):
+        assert f"OpenAI-compatible HTTP API on http://127.0.0.1:{port}/v1" in out, out
+    warnings = [line for line in out.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "open to anyone" in warnings[0] and "--api-keys-file" in warnings[0], warnings
 
 
 async def test_servers_offer_health_and_reflection(cluster):
