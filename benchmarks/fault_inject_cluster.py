@@ -47,13 +47,10 @@ def session_key(session_id: str) -> str:
     return f"{SESSION_PREFIX}:sess:{{{session_id}}}"
 
 
-class ClusterStore:
-    """The Redis Cluster as a fault target."""
+class _FaultTarget:
+    """What a store's processes (``procs``) have in common as a fault target."""
 
-    kind = "cluster"
-
-    def __init__(self, server: str, cli: str) -> None:
-        self.procs = RedisClusterProcs(server, cli)
+    procs: RedisClusterProcs | SentinelProcs
 
     @property
     def url(self) -> str:
@@ -64,6 +61,21 @@ class ClusterStore:
 
     def stop(self) -> None:
         self.procs.stop()
+
+    def stop_and_cont(self, port: int, stop_s: float, some_session: str) -> dict:
+        self.procs.servers[port].signal(signal.SIGSTOP)
+        time.sleep(stop_s)
+        self.procs.servers[port].signal(signal.SIGCONT)
+        return {}
+
+
+class ClusterStore(_FaultTarget):
+    """The Redis Cluster as a fault target."""
+
+    kind = "cluster"
+
+    def __init__(self, server: str, cli: str) -> None:
+        self.procs = RedisClusterProcs(server, cli)
 
     def victim(self, session_ids: list[str]) -> tuple[int, list[str]]:
         """The primary holding the most of these sessions, and those sessions."""
@@ -80,12 +92,6 @@ class ClusterStore:
         self.procs.restart(port)  # the supervisor: it rejoins as the new primary's replica
         return {"new_primary": new, "promoted_after_s": round(promoted_s, 3)}
 
-    def stop_and_cont(self, port: int, stop_s: float, some_session: str) -> dict:
-        self.procs.servers[port].signal(signal.SIGSTOP)
-        time.sleep(stop_s)
-        self.procs.servers[port].signal(signal.SIGCONT)
-        return {}
-
     def settle(self, some_session: str | None = None) -> dict:
         """Healthy again: every node agrees, every primary has a replica in sync."""
         self.procs.wait_ok(120)
@@ -93,23 +99,13 @@ class ClusterStore:
         return {"primary_now": self.procs.primary_of(session_key(some_session))} if some_session else {}
 
 
-class SentinelStore:
+class SentinelStore(_FaultTarget):
     """The Sentinel-managed primary as a fault target."""
 
     kind = "sentinel"
 
     def __init__(self, server: str) -> None:
         self.procs = SentinelProcs(server)
-
-    @property
-    def url(self) -> str:
-        return self.procs.url
-
-    def start(self) -> None:
-        self.procs.start()
-
-    def stop(self) -> None:
-        self.procs.stop()
 
     def victim(self, session_ids: list[str]) -> tuple[int, list[str]]:
         return self.procs.current_primary(), list(session_ids)
@@ -122,12 +118,6 @@ class SentinelStore:
         promoted_s = time.monotonic() - t0
         self.procs.restart_as_replica(port, new)
         return {"new_primary": new, "promoted_after_s": round(promoted_s, 3)}
-
-    def stop_and_cont(self, port: int, stop_s: float, some_session: str) -> dict:
-        self.procs.servers[port].signal(signal.SIGSTOP)
-        time.sleep(stop_s)
-        self.procs.servers[port].signal(signal.SIGCONT)
-        return {}
 
     def settle(self, some_session: str | None = None) -> dict:
         self.procs.wait_replicas(2, 120)

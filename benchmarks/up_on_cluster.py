@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEMO, held_out_prompts, write_result  # noqa: E402
 from redis_cluster import RedisClusterProcs  # noqa: E402
+from test_cli import free_port_block  # noqa: E402
 
 # Greedy and coupled outputs do not depend on the speculation (adaptive k here); a seeded rejection
 # run's do (its draws follow the drafts), so it runs at a fixed k without drafting ahead.
@@ -31,25 +31,8 @@ REQUESTS = [("greedy", ()), ("seeded coupled", ("--temperature", "0.8", "--seed"
             ("seeded rejection", ("--temperature", "0.8", "--seed", "7", "--rule", "rejection", "-k", "3", "--no-overlap"))]
 
 
-def free_base() -> int:
-    for base in range(42000, 52000, 17):
-        ports = range(base, base + 4)
-        if all(_free(p) for p in ports):
-            return base
-    raise RuntimeError("no free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 def outputs(redis_url: str, prompts: list[str], new_tokens: int) -> dict:
-    base = free_base()
+    base = free_port_block(4)
     up = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--redis-url", redis_url, "--base-port", str(base),
                            "--http-port", "-1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env={**os.environ, "SPECDEC_API_KEYS_FILE": ""})

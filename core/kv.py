@@ -83,6 +83,11 @@ class KVSequence:
         return self._decoder
 
     @property
+    def cache(self):
+        """The runner's cache for this sequence (positions past `cached_len` are scratch, e.g. a draft tree's)."""
+        return self._cache
+
+    @property
     def decode_cache(self):
         """The lean decoder's cache buffer (specdec.core.llama_decode.DecodeCache), or None on the HF forward."""
         return self._cache if self._decoder is not None else None

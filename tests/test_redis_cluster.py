@@ -250,6 +250,14 @@ async def test_a_shard_that_stays_down_fails_only_its_sessions(redis_cluster):
         delete_prefix(redis_cluster.url, prefix)
 
 
+def _patient_orchestrator(cluster, store) -> Orchestrator:
+    """The test cluster's orchestrator over ``store``, retrying store writes for up to 60 s: a ceiling
+    for the pause, not a figure (how long a promotion takes on a loaded machine varies)."""
+    live = cluster.orchestrator
+    return Orchestrator(live.target, live.verifier, store, dataclasses.replace(live.config, store_retry_s=60.0),
+                        live.drafter_address)
+
+
 async def _streams_through(orch: Orchestrator, n: int, hit, recover,
                            after_tokens: int = 20) -> tuple[list[tuple[str, tuple[int, ...]]], float]:
     """``n`` greedy streams at once; when the first has ``after_tokens`` tokens, ``hit(session_id)``
@@ -285,10 +293,7 @@ async def test_a_primary_killed_mid_stream_is_a_pause(cluster, redis_cluster):
     tokens of an undisturbed run, each written once: nothing lost, nothing twice."""
     prefix = _prefix()
     store = RedisSessionStore.from_url(redis_cluster.url, prefix=prefix)
-    live = cluster.orchestrator
-    # A ceiling for the pause, not a figure: how long a promotion takes on a loaded machine varies.
-    orch = Orchestrator(live.target, live.verifier, store, dataclasses.replace(live.config, store_retry_s=60.0),
-                        live.drafter_address)
+    orch = _patient_orchestrator(cluster, store)
     killed = {}
 
     def kill_its_primary(session_id: str) -> None:
@@ -325,9 +330,7 @@ async def test_a_sentinel_promotion_mid_stream_is_a_pause(cluster, redis_sentine
     client finds it, and the streams end with exactly the undisturbed tokens, each written once."""
     prefix = _prefix()
     store = RedisSessionStore.from_url(redis_sentinel.url, prefix=prefix)
-    live = cluster.orchestrator
-    orch = Orchestrator(live.target, live.verifier, store, dataclasses.replace(live.config, store_retry_s=60.0),
-                        live.drafter_address)
+    orch = _patient_orchestrator(cluster, store)
     promoted = {}
 
     def kill_the_primary(_session_id: str) -> None:

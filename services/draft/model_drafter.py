@@ -56,6 +56,11 @@ class ModelDraftSession:
         self._top_k = proposal_top_k
         self.min_confidence = min_confidence  # a block ends after a token the draft gives less probability
 
+    @property
+    def kv(self) -> KVSequence:
+        """This session's KV sequence (the tree drafter feeds its trees past the committed tokens)."""
+        return self._kv
+
     def propose(self, committed: Sequence[int], num_speculative_tokens: int, num_alternatives: int = 0,
                 interrupt: Callable[[], bool] | None = None) -> DraftProposal:
         """Draft up to ``num_speculative_tokens`` tokens after ``committed``; with ``num_alternatives``,

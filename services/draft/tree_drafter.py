@@ -57,7 +57,7 @@ class TreeDraftSession:
         width = width_for(budget)
         max_depth = -(-budget // width) + 1
         n = len(committed)
-        kv = self._session._kv
+        kv = self._session.kv
         frontier = [(ROOT, 0.0, kv.logits_for(committed, 1)[0])]  # (node, path score, its logits [vocab])
         tokens: list[int] = []
         parents: list[int] = []
@@ -79,7 +79,7 @@ class TreeDraftSession:
                 added.append(len(tokens) - 1)
             if not added or depth == max_depth - 1 or (interrupt is not None and interrupt()):
                 break
-            rows = self._runner.forward([Feed(kv._cache, n, list(tokens), len(added), tuple(parents))])[0]  # [len(added), vocab]
+            rows = self._runner.forward([Feed(kv.cache, n, list(tokens), len(added), tuple(parents))])[0]  # [len(added), vocab]
             frontier = [(node, scores[node], rows[j]) for j, node in enumerate(added)]
         node_depths = depths(parents)  # ties (a child as likely as its parent) keep the parent first
         keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], node_depths[i], i))[:budget])
