@@ -16,7 +16,13 @@ What a head file holds: ``fc`` and the decoder layer only (``head.safetensors``)
 ``config.json`` (shapes and the target's fingerprint). The embedding and the LM head are the
 target's, never copied: a drafter rebuilds the head with ``EagleHead.load(folder, target)``, which
 takes the target's ``embed_tokens`` and ``lm_head`` by reference (frozen) and refuses a head
-trained on a different target.
+trained on a different target. A drafter that needs only those two can skip the full target:
+``load_target_parts(path)`` reads its config and the two tensors and stands in for it.
+
+Tree drafting (EAGLE-2): ``forward`` takes each new row's rotary position and an attention mask, so
+one call scores the nodes of a draft tree over the head's cache (``specdec.core.tree.feed_positions``
+and ``feed_mask`` build both); the nodes' keys and values are appended like any rows, and ``truncate``
+drops them again.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +45,68 @@ _VOLATILE_CONFIG_KEYS = ("dtype", "torch_dtype", "transformers_version", "_name_
 
 class TargetMismatch(ValueError):
     """The head was trained on another target (its fingerprint differs)."""
+
+
+EMBEDDING_KEY = "model.embed_tokens.weight"
+LM_HEAD_KEY = "lm_head.weight"
+
+
+class TargetParts(nn.Module):
+    """The parts of a Hugging Face Llama target a head uses, without its decoder layers: its config,
+    its embedding and its LM head (frozen). Stands in for the target in ``EagleHead.load``,
+    ``EagleHead.from_target``, ``EagleHeadConfig.for_target`` and ``target_fingerprint``."""
+
+    def __init__(self, config: Any, embedding: torch.Tensor, lm_head: torch.Tensor | None) -> None:
+        super().__init__()
+        self.config = config
+        vocab, hidden = embedding.shape
+        # registered first: target_fingerprint samples the first parameter, the embedding as in the full model
+        self.embed_tokens = nn.Embedding.from_pretrained(embedding, freeze=True)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False, device="meta")
+        self.lm_head.weight = self.embed_tokens.weight if lm_head is None else nn.Parameter(lm_head, requires_grad=False)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+
+def _safetensors_file_of(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it: one model.safetensors, or an index's shards."""
+    single = folder / "model.safetensors"
+    if single.exists():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    index = folder / "model.safetensors.index.json"
+    if not index.exists():
+        raise FileNotFoundError(f"{folder}: neither model.safetensors nor model.safetensors.index.json")
+    weight_map = json.loads(index.read_text())["weight_map"]
+    return {name: folder / shard for name, shard in weight_map.items()}
+
+
+def _read_tensor(file: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return f.get_tensor(name).to(dtype)
+
+
+def load_target_parts(target_path: str | Path, dtype: torch.dtype = torch.float32) -> TargetParts:
+    """The config, embedding and LM head of the Hugging Face Llama checkpoint in ``target_path``,
+    read from its safetensors without loading the decoder layers; a tied (or absent) LM head is the
+    embedding's own weight, shared."""
+    from transformers import AutoConfig
+
+    folder = Path(target_path)
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    files = _safetensors_file_of(folder)
+    embedding = _read_tensor(files[EMBEDDING_KEY], EMBEDDING_KEY, dtype)
+    tied = getattr(config, "tie_word_embeddings", False) or LM_HEAD_KEY not in files
+    lm_head = None if tied else _read_tensor(files[LM_HEAD_KEY], LM_HEAD_KEY, dtype)
+    return TargetParts(config, embedding, lm_head).eval()
 
 
 def target_fingerprint(target: nn.Module) -> str:
@@ -116,16 +185,21 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: HeadCache | None) -> torch.Tensor:
-        b, t, _ = x.shape  # x [batch, T, hidden]; cos, sin [T, head_dim]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: HeadCache | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, _ = x.shape  # x [batch, T, hidden]; cos, sin [T, head_dim]; mask [T, past + T] or None
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # [b, heads, T, hd]
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         past = 0 if cache is None else cache.length
+        if mask is not None:  # checked before the cache grows: a refused call leaves it as it was
+            _check_mask(mask, t, past)
         if cache is not None:
             k, v = cache.append(k, v)
-        if t == 1:  # one new position sees everything before it
+        if mask is not None:
+            mask, causal = mask.to(x.device), False
+        elif t == 1:  # one new position sees everything before it
             mask, causal = None, False
         elif past == 0:
             mask, causal = None, True
@@ -135,6 +209,12 @@ class _Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                              enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+def _check_mask(mask: torch.Tensor, rows: int, past: int) -> None:
+    if mask.dtype != torch.bool or mask.shape[-2:] != (rows, past + rows):
+        raise ValueError(f"the mask must be bool [{rows}, {past + rows}] (new rows x cached then new keys), "
+                         f"got {mask.dtype} {list(mask.shape)}")
 
 
 class _MLP(nn.Module):
@@ -159,13 +239,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.mlp = _MLP(c)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: HeadCache | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: HeadCache | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 @dataclass(frozen=True)
-class _TargetParts:
+class _TargetRefs:
     """The target's frozen modules the head uses; a plain record so that they are not the head's
     submodules (not in its state_dict, its parameters or its file)."""
     embed_tokens: nn.Module
@@ -179,7 +260,7 @@ class EagleHead(nn.Module):
         h = config.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.layer = DecoderLayer(config)
-        self.target = _TargetParts(embed_tokens, lm_head)
+        self.target = _TargetRefs(embed_tokens, lm_head)
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -189,20 +270,34 @@ class EagleHead(nn.Module):
         return cls(EagleHeadConfig.for_target(target), target.get_input_embeddings(), target.get_output_embeddings())
 
     def _rotary(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(start, start + length, dtype=torch.float32, device=self.inv_freq.device)
+        return self._rotary_at(torch.arange(start, start + length))
+
+    def _rotary_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = positions.to(device=self.inv_freq.device, dtype=torch.float32)
         freqs = torch.outer(pos, self.inv_freq.float())  # rotary angles in fp32 whatever the head's dtype
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
         dtype = self.fc.weight.dtype
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, start: int = 0,
-                cache: HeadCache | None = None) -> torch.Tensor:
+                cache: HeadCache | None = None, *, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """Predicted features: ``features`` [batch, T, hidden] are f_t for positions start..start+T-1,
-        ``next_tokens`` [batch, T] the token after each (token_{t+1}); returns f̂_{t+1} [batch, T, hidden]."""
+        ``next_tokens`` [batch, T] the token after each (token_{t+1}); returns f̂_{t+1} [batch, T, hidden].
+
+        For a tree: ``positions`` (int64 [T]) replaces each row's rotary position, and ``mask`` (bool
+        [T, past + T], True = may attend; past = ``cache.length`` before the call) says which of the
+        cached keys followed by the new rows' keys each row attends to, in place of causal attention.
+        The new rows are appended to ``cache`` all the same."""
         emb = self.target.embed_tokens(next_tokens).to(features.dtype)  # [batch, T, hidden]
         x = self.fc(torch.cat([features, emb], dim=-1))
-        cos, sin = self._rotary(start, features.shape[1])
-        return self.layer(x, cos, sin, cache)
+        if positions is None:
+            cos, sin = self._rotary(start, features.shape[1])
+        elif positions.shape != (features.shape[1],):
+            raise ValueError(f"positions must be [{features.shape[1]}] (one per new row), got {list(positions.shape)}")
+        else:
+            cos, sin = self._rotary_at(positions)
+        return self.layer(x, cos, sin, cache, mask)
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """The target's LM head on predicted features (post-norm features: no norm in between)."""

@@ -54,6 +54,17 @@ EXACT_ROWS = 8
 MAX_CALL_ROWS = 512
 
 
+def final_features(x: torch.Tensor, offsets: Sequence[int], num_features: Sequence[int] | None,
+                   final_norm: torch.Tensor, eps: float) -> list[torch.Tensor | None] | None:
+    """Each sequence's last ``num_features[b]`` rows of the flat batch ``x`` [N, hidden] after the
+    final norm, or None where none are wanted; None when no sequence wants any (nothing computed)."""
+    if not num_features or not any(num_features):
+        return None
+    shape = (x.shape[-1],)
+    return [F.rms_norm(x[offsets[b + 1] - m : offsets[b + 1]], shape, final_norm, eps) if m else None
+            for b, m in enumerate(num_features)]
+
+
 def bucket_rows(n: int) -> int:
     """The row count a packed oneDNN linear is called with for ``n <= MAX_CALL_ROWS`` rows: ``n`` up
     to EXACT_ROWS, then the next multiple of 8 up to 64, then four buckets per power of two (at
@@ -525,7 +536,8 @@ class LlamaDecoder:
 
     @torch.inference_mode()
     def forward_batch(self, caches: list[DecodeCache], token_ids: list[list[int]], starts: list[int],
-                      num_last: list[int], parents: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+                      num_last: list[int], parents: Sequence[Sequence[int]] | None = None,
+                      num_features: Sequence[int] | None = None) -> list[torch.Tensor]:
         """Many sequences in one forward: sequence b feeds ``token_ids[b]`` at positions starts[b]..
         into ``caches[b]``; returns each one's logits of its last ``num_last[b]`` rows.
 
@@ -533,6 +545,9 @@ class LlamaDecoder:
         tree's nodes (core/tree.py): each node at its parent's position + 1, attending to the rows
         before the tree and to its own ancestors. Rows' keys and values still go to buffer positions
         ``starts[b] + row``; `keep_path` moves an accepted path's into place.
+
+        ``num_features[b]``: the final-norm hidden states of sequence b's last rows wanted too
+        (core/features.py); they are left in ``last_features`` (None for the others, or all None).
 
         The rows of all sequences are flattened into one [N, hidden] batch (N = the sum of their
         lengths, ragged, in the spirit of vLLM's flattened draft tokens with offsets), so every
@@ -578,6 +593,7 @@ class LlamaDecoder:
             return out
 
         x = self.layers_with(x, rotary, attend)
+        self.last_features = final_features(x, offsets, num_features, self.final_norm, self.eps)
         rows = torch.tensor([r for b, m in enumerate(num_last) for r in range(offsets[b + 1] - m, offsets[b + 1])])
         logits = self.lm_head(F.rms_norm(x[rows], (self.hidden,), self.final_norm, self.eps)).float()  # [sum(num_last), vocab]
         return list(logits.split(num_last))
@@ -599,6 +615,7 @@ class LlamaDecoder:
         if self.exact:  # one path for every row: a sequence alone is a batch of one
             return self.forward_batch([cache], [list(token_ids)], [start], [n if num_last is None else num_last])[0]
         end = start + n
+        self.last_features = None
         self._reserve(cache, end)
         x = self.embed[torch.tensor(token_ids)]  # [n, hidden]
         rotary = self.rotary[start:end]  # [n, 1, d/2]

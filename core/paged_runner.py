@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from specdec.core import exact_ops
 from specdec.core.cuda_graphs import CudaGraphs, buckets_for
+from specdec.core.llama_decode import final_features
 from specdec.core.models import WeightRelease, restore_weights, weights_released
 from specdec.core.paged_kv import (FIRST_PAGE, ZERO_PAGE, PagedKV, PageTable, allowed_positions, pages_for_budget,
                                    pages_for_memory, tree_allowed)
@@ -163,6 +164,7 @@ class PagedRunner:
     (core/cuda_graphs.py); None: on CUDA in fast numerics. ``probe_threads``: CPU thread counts
     exact numerics are checked at (as `LlamaDecoder`)."""
     verifies_trees = True  # feeds with parents: each node at its depth's position, masked to its ancestors
+    last_features = None
 
     def __init__(self, model: torch.nn.Module, page_tokens: int = 16, num_pages: int | None = None,
                  kv_budget_tokens: int | None = None, max_sessions: int = 1, kv_memory_fraction: float | None = None,
@@ -372,10 +374,12 @@ class PagedRunner:
             f.cache.length = min(f.cache.length, f.start)  # what lies past the feed's start is forgotten
         batch = Batch(alloc, feeds)
         # None: no bucket holds it, or a tree (the buckets' masks are causal): eagerly
-        out = self.graphs.run(batch) if self.graphs is not None and not batch.has_trees else None
+        wants_features = any(f.num_features for f in feeds)  # (the captured graphs return logits alone)
+        out = self.graphs.run(batch) if self.graphs is not None and not batch.has_trees and not wants_features else None
+        self.last_features = None
         if out is None:
             gathers_cpu = batch.gather
-            out = list(self._forward(batch.to(self.device), gathers_cpu).split(batch.num_last))
+            out = list(self._forward(batch.to(self.device), gathers_cpu, [f.num_features for f in feeds]).split(batch.num_last))
         for f, end in zip(feeds, batch.ends):
             f.cache.length = end
         return out
@@ -395,9 +399,11 @@ class PagedRunner:
         out = exact_ops.wrap_linear(lambda rows: F.linear(rows, weight), self.exact_plan.linear_mode)(x)
         return out if bias is None else out + bias  # the bias after the GEMM: an elementwise, per-row add
 
-    def _forward(self, batch: Batch, gathers_cpu: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, batch: Batch, gathers_cpu: torch.Tensor | None = None,
+                 num_features: Sequence[int] | None = None) -> torch.Tensor:
         """Every layer over the batch's rows; logits of its ``last`` rows [rows, vocab] float32.
-        ``gathers_cpu``: the batch's gather index on the host (exact mode slices it per sequence)."""
+        ``gathers_cpu``: the batch's gather index on the host (exact mode slices it per sequence);
+        ``num_features``: per feed, final-norm rows left in ``last_features``."""
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
         x = self.embed[batch.token_ids]  # [N, hidden]
         rotary = self.rotary[batch.positions]  # [N, 1, d/2]
@@ -413,6 +419,8 @@ class PagedRunner:
             x = x + self._linear(att, o_w)
             gate, up = self._linear(F.rms_norm(x, shape, ln2, self.eps), gu_w).chunk(2, dim=-1)
             x = x + self._linear(F.silu(gate) * up, down_w)
+        if num_features and any(num_features):  # (a captured graph's static batch never asks)
+            self.last_features = final_features(x, batch.offsets, num_features, self.final_norm, self.eps)
         rows = F.rms_norm(x[batch.last], shape, self.final_norm, self.eps)
         return self._linear(rows, (self.lm_head_weight, None)).float()  # [sum(num_last), vocab]
 

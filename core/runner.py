@@ -46,10 +46,16 @@ class Feed:
     # position start + row like any row's, and `keep_path` moves an accepted path's into place.
     # Empty: every row is causal (a chain).
     parents: tuple[int, ...] = ()
+    # The final-norm hidden states of the last num_features rows are wanted too (core/features.py):
+    # the runner leaves them in `last_features`. 0: none, and nothing is computed or kept for them.
+    num_features: int = 0
 
 
 class ModelRunner(Protocol):
     verifies_trees: bool  # whether `forward` takes feeds with parents (else send a tree's main chain)
+    # After `forward`: per feed, its features [num_features, hidden] (None where it asked for none,
+    # or where this runner cannot give them); None when no feed asked.
+    last_features: list[torch.Tensor | None] | None
 
     def new_cache(self) -> object:
         """An empty cache for one sequence."""
@@ -82,6 +88,7 @@ class LeanRunner:
 
     def __init__(self, decoder) -> None:
         self.decoder = decoder
+        self.last_features = None
 
     def new_cache(self):
         return self.decoder.new_cache()
@@ -102,18 +109,22 @@ class LeanRunner:
         self.decoder.keep_path(cache, first, path)
 
     def forward(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
-        if len(feeds) == 1 and not feeds[0].parents:  # the sequence path: no flattening to do
+        if len(feeds) == 1 and not feeds[0].parents and not feeds[0].num_features:  # the sequence path: no flattening to do
             f = feeds[0]
-            return [self.decoder.forward(f.cache, list(f.token_ids), f.start, f.num_last)]
-        return self.decoder.forward_batch([f.cache for f in feeds], [list(f.token_ids) for f in feeds],
-                                          [f.start for f in feeds], [f.num_last for f in feeds],
-                                          [f.parents for f in feeds])
+            out = [self.decoder.forward(f.cache, list(f.token_ids), f.start, f.num_last)]
+        else:
+            out = self.decoder.forward_batch([f.cache for f in feeds], [list(f.token_ids) for f in feeds],
+                                             [f.start for f in feeds], [f.num_last for f in feeds],
+                                             [f.parents for f in feeds], [f.num_features for f in feeds])
+        self.last_features = self.decoder.last_features
+        return out
 
 
 class HFRunner:
     """The model's own Hugging Face forward and DynamicCache, one feed at a time, on the model's device
     (the reference path; no `read_kv`/`write_prefix`: its sessions keep no KV blocks; no trees)."""
     verifies_trees = False
+    last_features = None  # not kept by this forward: a feature drafter gets none and drafts nothing
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model

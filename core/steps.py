@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from specdec.core.features import FeatureChunk
 from specdec.core.errors import InvalidRequest, SessionOutOfSync
 from specdec.core.sampling import SamplingParams
 from specdec.core.speculation import SpeculationPolicy
@@ -111,6 +112,7 @@ class StepOutcome:
     token_ids: tuple[int, ...]
     num_speculative_tokens: int
     overlap: bool = True
+    features: FeatureChunk | None = None  # for drafters that read the target's features (core/features.py)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.cli_common import eagle_head_path
 from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 
 DEFAULT_KS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -46,7 +47,8 @@ class BenchConfig:
 
     def draft_fields(self) -> dict:
         """The DraftConfig fields every specdec method's drafter runs with."""
-        return {"draft_device": self.draft_device, "draft_dtype": self.draft_dtype, "min_confidence": self.draft_min_confidence}
+        return {"draft_device": self.draft_device, "draft_dtype": self.draft_dtype, "min_confidence": self.draft_min_confidence,
+                "eagle_head_path": eagle_head_path(None, self.target)}
 
     @property
     def reference(self) -> str:

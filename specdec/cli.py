@@ -34,6 +34,7 @@ from specdec.cli_common import (
     UsageError,
     device_arg,
     draft_placement,
+    eagle_head_path,
     fraction,
     model_path,
     probability_below_one,
@@ -89,6 +90,9 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
         p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None,
                        help="draft model precision (default auto: bfloat16 on CUDA, float32 on the CPU; bfloat16 on "
                             "the CPU needs native bf16)")
+        p.add_argument("--eagle-head", default=None, metavar="PATH",
+                       help="an EAGLE head trained on the target, for --drafter eagle (default $SPECDEC_EAGLE_HEAD, "
+                            "or models/demo/eagle with the demo target)")
         p.add_argument("--draft-min-confidence", type=probability_below_one, default=0.0, metavar="P",
                        help="end a draft block after a token the draft gives less than P probability (default 0: "
                             "blocks of k; k is then an upper bound; never changes the output)")
@@ -104,7 +108,7 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
                    help="how sampled drafts are verified (default coupled: a seed gives the same text whatever "
                         "the speculation; rejection: Leviathan et al.'s rule)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--drafter", default="model", help="model | ngram | tree (token trees from the draft model)")
+    p.add_argument("--drafter", default="model", help="model | ngram | tree (token trees from the draft model) | eagle (an EAGLE head over the target's features)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="fixed speculation length (default: adaptive)")
     p.add_argument("--max-speculative-tokens", type=int, default=8, help="adaptive upper bound")
     p.add_argument("--no-overlap", action="store_true",
@@ -304,7 +308,8 @@ async def _generate_embedded(args) -> int:
     threads = args.threads
     orch = roles.embedded(TargetConfig(target, threads=threads, weight_layouts=args.weight_layouts, **_target_placement(args)),
                           DraftConfig(draft, target, threads=threads, fast_draft_forward=not args.reference_forward,
-                                      min_confidence=args.draft_min_confidence, **_draft_placement(args)),
+                                      min_confidence=args.draft_min_confidence, eagle_head_path=eagle_head_path(args.eagle_head, target),
+                                      **_draft_placement(args)),
                           OrchestratorConfig(default_drafter=args.drafter))
     t0 = time.perf_counter()
     ids: list[int] = []
@@ -417,7 +422,7 @@ async def _serve(args) -> int:
                                      "--draft-dtype" if args.draft_dtype or not args.dtype else "--dtype"))
         config = DraftConfig(draft, target, threads=args.threads, fast_draft_forward=not args.reference_forward,
                              min_confidence=args.draft_min_confidence, **placement,
-                             max_sessions=args.max_sessions,
+                             eagle_head_path=eagle_head_path(args.eagle_head, target), max_sessions=args.max_sessions,
                              max_session_tokens=args.max_session_tokens)
         running, _ = await roles.start_draft(config, server, registry)
     elif args.role == "target":

@@ -13,6 +13,7 @@ from pathlib import Path
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "models" / "demo"
 ENV_TARGET, ENV_DRAFT, ENV_REDIS = "SPECDEC_TARGET_MODEL", "SPECDEC_DRAFT_MODEL", "SPECDEC_REDIS_URL"
+ENV_EAGLE_HEAD = "SPECDEC_EAGLE_HEAD"
 # Secrets come from files or the environment, never from argv (which `ps` shows to everyone).
 ENV_API_KEY, ENV_API_KEYS_FILE, ENV_SERVICE_TOKEN = "SPECDEC_API_KEY", "SPECDEC_API_KEYS_FILE", "SPECDEC_SERVICE_TOKEN"
 
@@ -90,6 +91,17 @@ def model_path(flag: str | None, env: str, demo: str) -> str:
             f"the demo pair is expected at {DEMO_DIR / demo}"
         )
     return path
+
+
+def eagle_head_path(flag: str | None, target: str | None) -> str | None:
+    """The EAGLE head drafter ``eagle`` runs (core/eagle_head.py): the flag, else $SPECDEC_EAGLE_HEAD,
+    else the demo head when the target is the demo target; None: no ``eagle`` drafter."""
+    if flag or os.environ.get(ENV_EAGLE_HEAD):
+        return flag or os.environ.get(ENV_EAGLE_HEAD)
+    demo_head = DEMO_DIR / "eagle"
+    if target and Path(target).resolve() == (DEMO_DIR / "target").resolve() and (demo_head / "config.json").is_file():
+        return str(demo_head)
+    return None
 
 
 def probability_below_one(text: str) -> float:

@@ -75,14 +75,15 @@ class Cluster:
 async def start_cluster(target_path: str, draft_path: str, redis_url: str, prefix: str,
                         config: OrchestratorConfig | None = None, api_keys: tuple[str, ...] = (),
                         service_token: str | None = None, tls: TlsFiles | None = None, metrics: bool = False,
-                        target_dtype: str = "float32", target_numerics: str = "fast") -> Cluster:
+                        target_dtype: str = "float32", target_numerics: str = "fast", eagle_head: str | None = None) -> Cluster:
     """``api_keys``: the client API's keys; ``service_token``: the internal hops' (none: open);
     ``tls``: TLS on every hop, mutual between roles (none: plaintext); ``metrics``: a registry per role;
-    ``target_dtype``, ``target_numerics``: the verifier's precision and numerics (TargetConfig)."""
+    ``target_dtype``, ``target_numerics``: the verifier's precision and numerics (TargetConfig);
+    ``eagle_head``: the drafter also serves ``eagle`` with this head."""
     registries = {role: CollectorRegistry() for role in ("draft", "target", "orchestrator")} if metrics else {}
     internal = replace(LOOPBACK, credentials=Credentials((service_token,) if service_token else ()), tls=tls,
                        require_client_cert=tls is not None)
-    draft_server, draft = await roles.start_draft(DraftConfig(draft_path, target_path), internal, registries.get("draft"))
+    draft_server, draft = await roles.start_draft(DraftConfig(draft_path, target_path, eagle_head_path=eagle_head), internal, registries.get("draft"))
     target_config = TargetConfig(target_path, dtype=target_dtype, numerics=target_numerics)
     target_server, target = await roles.start_target(target_config, internal, loop_config=PATIENT, service_token=service_token,
                                                      registry=registries.get("target"))

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.core.eagle_head import WEIGHTS, EagleHead, HeadCache, TargetMismatch, target_fingerprint
+from specdec.core.eagle_head import (WEIGHTS, EagleHead, HeadCache, TargetMismatch, TargetParts, load_target_parts,
+                                     target_fingerprint)
+from specdec.core.tree import DraftTree, feed_mask, feed_positions
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_eagle_head", ROOT / "scripts" / "train_eagle_head.py")
@@ -165,3 +167,131 @@ def test_the_loader_refuses_a_head_of_another_target(target, tiny_pair, tmp_path
 def test_accepted_lengths(drafts, truth, expected):
     got = trainer.accepted_lengths(torch.tensor(drafts), torch.tensor(truth), 3)
     assert got == pytest.approx(expected)
+
+
+# ----------------------------------------------------------------------------- the target's parts alone
+DEMO = ROOT / "models" / "demo"
+
+
+def full_target(path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def assert_parts_match(parts: TargetParts, full: torch.nn.Module) -> None:
+    """Same fingerprint, bitwise the same embedding and LM head, tied exactly when the full model's are."""
+    assert target_fingerprint(parts) == target_fingerprint(full)
+    assert isinstance(parts.get_input_embeddings(), torch.nn.Embedding)
+    assert isinstance(parts.get_output_embeddings(), torch.nn.Linear) and parts.get_output_embeddings().bias is None
+    assert torch.equal(parts.get_input_embeddings().weight, full.get_input_embeddings().weight)
+    assert torch.equal(parts.get_output_embeddings().weight, full.get_output_embeddings().weight)
+    tied = full.get_output_embeddings().weight is full.get_input_embeddings().weight
+    assert (parts.get_output_embeddings().weight is parts.get_input_embeddings().weight) == tied
+    assert not any(p.requires_grad for p in parts.parameters())
+
+
+def assert_same_head_logits(folder, parts: TargetParts, full: torch.nn.Module) -> None:
+    over_parts, over_full = EagleHead.load(folder, parts).eval(), EagleHead.load(folder, full).eval()
+    gen = torch.Generator().manual_seed(0)
+    feats = torch.randn(2, 5, full.config.hidden_size, generator=gen)
+    tokens = torch.randint(0, full.config.vocab_size, (2, 5), generator=gen)
+    with torch.no_grad():
+        assert torch.equal(over_parts.logits(over_parts(feats, tokens)), over_full.logits(over_full(feats, tokens)))
+
+
+def test_the_demo_targets_parts_stand_in_for_it():
+    full, parts = full_target(DEMO / "target"), load_target_parts(str(DEMO / "target"))
+    assert parts.config.tie_word_embeddings
+    assert_parts_match(parts, full)
+    assert_same_head_logits(DEMO / "eagle", parts, full)
+
+
+def test_the_tiny_targets_parts_stand_in_for_it(target, tiny_pair, tmp_path):
+    parts = load_target_parts(tiny_pair[0])
+    assert parts.config.tie_word_embeddings
+    assert_parts_match(parts, target)
+    new_head(target).save(tmp_path)
+    assert_same_head_logits(tmp_path, parts, target)
+    # Another precision of one checkpoint is the same target, as for the full model.
+    half = load_target_parts(tiny_pair[0], dtype=torch.bfloat16)
+    assert half.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert target_fingerprint(half) == target_fingerprint(target)
+
+
+@pytest.mark.parametrize("shard", [None, "40KB"])
+def test_untied_and_sharded_targets_parts(tmp_path, shard):
+    """An untied LM head is its own tensor; a sharded checkpoint is read through its index."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, tie_word_embeddings=False, initializer_range=0.2)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "untied", **({"max_shard_size": shard} if shard else {}))
+    assert (tmp_path / "untied" / "model.safetensors.index.json").exists() == (shard is not None)
+    full, parts = full_target(tmp_path / "untied"), load_target_parts(tmp_path / "untied")
+    assert not parts.config.tie_word_embeddings
+    assert not torch.equal(parts.get_output_embeddings().weight, parts.get_input_embeddings().weight)
+    assert_parts_match(parts, full)
+    new_head(full).save(tmp_path / "head")
+    assert_same_head_logits(tmp_path / "head", parts, full)
+
+
+# ----------------------------------------------------------------------------- tree attention
+TREE = (-1, -1, 0, 0, 1, 2, 4, 6)  # several roots, siblings, and one long path
+
+
+def test_a_masked_tree_forward_equals_each_paths_causal_forward(target):
+    """One forward over a tree's nodes (positions by depth, each node seeing the prefix, its ancestors
+    and itself) gives at every node what a causal forward over the prefix and that node's path gives."""
+    head = new_head(target).eval()
+    hidden, vocab, prefix, n = target.config.hidden_size, target.config.vocab_size, 6, len(TREE)
+    gen = torch.Generator().manual_seed(0)
+    feats, tokens = torch.randn(2, prefix + n, hidden, generator=gen), torch.randint(0, vocab, (2, prefix + n), generator=gen)
+    nodes_f, nodes_t = feats[:, prefix:], tokens[:, prefix:]
+    tree = DraftTree(tuple(range(n)), TREE)
+    with torch.no_grad():
+        cache = HeadCache()
+        head(feats[:, :prefix], tokens[:, :prefix], 0, cache)
+        positions = torch.tensor(feed_positions(prefix, n, TREE))
+        masked = head(nodes_f, nodes_t, prefix, cache, positions=positions, mask=feed_mask(prefix, n, TREE))
+        assert cache.length == prefix + n  # the nodes are cached like any rows, for the caller to roll back
+        for node in range(n):
+            path = tree.path_to(node)
+            cache.truncate(prefix)
+            along = head(nodes_f[:, path], nodes_t[:, path], prefix, cache)
+            torch.testing.assert_close(masked[:, node], along[:, -1], atol=1e-5, rtol=1e-5)
+        cache.truncate(prefix)
+        causal = head(nodes_f, nodes_t, prefix, cache)
+    # A forward that ignored the mask (or the positions) would be this causal one: it differs on the tree.
+    assert not torch.allclose(masked, causal, atol=1e-3)
+
+
+def test_default_positions_and_a_causal_mask_change_nothing(target):
+    """Explicit consecutive positions and the causal mask give bitwise what the defaults give."""
+    head = new_head(target).eval()
+    gen = torch.Generator().manual_seed(1)
+    feats = torch.randn(2, 7, target.config.hidden_size, generator=gen)
+    tokens = torch.randint(0, target.config.vocab_size, (2, 7), generator=gen)
+    with torch.no_grad():
+        plain, explicit = HeadCache(), HeadCache()
+        head(feats[:, :3], tokens[:, :3], 0, plain)
+        head(feats[:, :3], tokens[:, :3], 0, explicit)
+        want = head(feats[:, 3:], tokens[:, 3:], 3, plain)
+        got = head(feats[:, 3:], tokens[:, 3:], 3, explicit, positions=torch.arange(3, 7),
+                   mask=feed_mask(3, 4, DraftTree.chain(range(4)).parents))
+    assert torch.equal(got, want)
+    assert torch.equal(plain.keys, explicit.keys)
+
+
+def test_a_mask_or_positions_of_the_wrong_shape_are_refused(target):
+    head = new_head(target).eval()
+    feats, tokens = torch.randn(1, 3, target.config.hidden_size), torch.randint(0, target.config.vocab_size, (1, 3))
+    cache = HeadCache()
+    head(feats, tokens, 0, cache)
+    with torch.no_grad(), pytest.raises(ValueError, match="the mask must be bool"):
+        head(feats, tokens, 3, cache, mask=torch.ones(3, 3, dtype=torch.bool))
+    assert cache.length == 3  # a refused call does not grow the cache
+    with torch.no_grad(), pytest.raises(ValueError, match="positions must be"):
+        head(feats, tokens, 3, cache, positions=torch.arange(2))

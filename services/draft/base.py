@@ -1,6 +1,6 @@
 """What every drafter implements and is configured by: the session and drafter protocols, DraftConfig.
 
-The implementations (model_drafter, ngram; tree_drafter builds on model_drafter) import only this module, the core and each other, never the registry; the registry
+The implementations (model_drafter, ngram, eagle_drafter; tree_drafter builds on model_drafter) import only this module, the core and each other, never the registry; the registry
 (specdec.draft.drafters) imports them. So the registry knows the drafters and no drafter knows the
 registry: drafters depend one way.
 """
@@ -43,6 +43,9 @@ class DraftConfig:
 
     draft_model_path: str | None = None  # None: only model-free drafters
     target_model_path: str | None = None  # if set, the draft's tokenizer is checked against it at start-up
+    # An EAGLE head trained on the target (core/eagle_head.py): serves drafter `eagle`, which reads
+    # the target's embedding and LM head from target_model_path and its features from the verifier.
+    eagle_head_path: str | None = None
     proposal_top_k: int = 32  # a model drafter samples from, and sends, its top-K renormalised distribution
     fast_draft_forward: bool = True  # lean Llama decode path (specdec.core.llama_decode) when supported
     draft_dtype: str = "float32"  # lean path's precision: float32 | bfloat16 (CPUs with native bf16 only)

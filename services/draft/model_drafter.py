@@ -45,6 +45,46 @@ def to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     return [None if t is None else next(parts) for t in tensors]
 
 
+def pick_draft_token(logits: torch.Tensor, position: int, sampling: SamplingParams, top_k: int, num_alternatives: int = 0,
+                     noise: torch.Tensor | None = None, want_confidence: bool = False) -> tuple[int, SparseDistribution | None, tuple[int, ...], float]:
+    """One draft token from one row of logits [vocab]: the token, its distribution (None: greedy),
+    alternatives, and the probability the draft gives the token (greedy: 1.0 unless ``want_confidence``:
+    a block may end on it, and only then is the softmax worth computing)."""
+    token = confidence = top = None  # on the logits' device until the one transfer below
+    if sampling.greedy:
+        ranked, token = logits, logits.argmax()
+        if want_confidence:
+            confidence = torch.softmax(logits.float(), -1)[token]
+    elif sampling.coupled:
+        # The very noise row the verifier adds at this position: the draft is its own coupled
+        # token, and no distribution needs to cross the wire.
+        if noise is None:
+            noise = gumbel_noise(sampling.seed, (position,), logits.shape[-1], logits.device)[0]
+        logprobs = processed_logprobs(logits, sampling)
+        ranked = logprobs + noise.to(logits.device)
+        token = ranked.argmax()
+        confidence = logprobs[token].exp()
+    else:  # drawn on the host from the top-K distribution it is sent with
+        ranked = probs_from_logits(logits, sampling)  # [vocab]
+        top = torch.topk(ranked, min(top_k, ranked.shape[-1]))  # values, ids [K], most likely first
+    alternatives = torch.topk(ranked, min(num_alternatives + 1, ranked.shape[-1])).indices if num_alternatives else None
+    # One transfer per drafted token: the token (or its top-K distribution), its probability, the alternatives.
+    token, confidence, alternatives, *top = to_host(token, confidence, alternatives, *(top or (None, None)))
+    dist = None
+    if top[0] is not None:
+        values, ids = top
+        keep = values > 0  # the top K without tokens of probability 0, renormalised
+        values, ids = values[keep], ids[keep]
+        probs_k = values / values.sum()
+        u = rng.uniform(sampling.seed, rng.Stream.DRAFT_SAMPLE, position)
+        drawn = int(sample_from(probs_k, torch.tensor(u, device=probs_k.device)))
+        token, confidence = ids[drawn], values[drawn]
+        dist = SparseDistribution(tuple(ids.tolist()), tuple(probs_k.tolist()))
+    token = int(token)
+    alternatives = () if alternatives is None else tuple(t for t in alternatives.tolist() if t != token)[:num_alternatives]
+    return token, dist, alternatives, 1.0 if confidence is None else float(confidence)
+
+
 class ModelDraftSession:
     def __init__(self, model: torch.nn.Module, decoder: LlamaDecoder | None, sampling: SamplingParams, proposal_top_k: int,
                  runner=None, min_confidence: float = 0.0) -> None:
@@ -93,42 +133,8 @@ class ModelDraftSession:
 
     def _pick(self, logits: torch.Tensor, position: int, num_alternatives: int,
               noise: torch.Tensor | None = None) -> tuple[int, SparseDistribution | None, tuple[int, ...], float]:
-        """One draft token from one row of logits [vocab]: the token, its distribution (None: greedy),
-        alternatives, and the probability the draft gives the token (greedy: 1.0 unless a block may end
-        on it, since only then is the softmax worth computing)."""
-        token = confidence = top = None  # on the logits' device until the one transfer below
-        if self._sampling.greedy:
-            ranked, token = logits, logits.argmax()
-            if self.min_confidence > 0:
-                confidence = torch.softmax(logits.float(), -1)[token]
-        elif self._sampling.coupled:
-            # The very noise row the verifier adds at this position: the draft is its own coupled
-            # token, and no distribution needs to cross the wire.
-            if noise is None:
-                noise = self._noise((position,), logits.shape[-1], logits.device)[0]
-            logprobs = processed_logprobs(logits, self._sampling)
-            ranked = logprobs + noise.to(logits.device)
-            token = ranked.argmax()
-            confidence = logprobs[token].exp()
-        else:  # drawn on the host from the top-K distribution it is sent with
-            ranked = probs_from_logits(logits, self._sampling)  # [vocab]
-            top = torch.topk(ranked, min(self._top_k, ranked.shape[-1]))  # values, ids [K], most likely first
-        alternatives = torch.topk(ranked, min(num_alternatives + 1, ranked.shape[-1])).indices if num_alternatives else None
-        # One transfer per drafted token: the token (or its top-K distribution), its probability, the alternatives.
-        token, confidence, alternatives, *top = to_host(token, confidence, alternatives, *(top or (None, None)))
-        dist = None
-        if top[0] is not None:
-            values, ids = top
-            keep = values > 0  # the top K without tokens of probability 0, renormalised
-            values, ids = values[keep], ids[keep]
-            probs_k = values / values.sum()
-            u = rng.uniform(self._sampling.seed, rng.Stream.DRAFT_SAMPLE, position)
-            drawn = int(sample_from(probs_k, torch.tensor(u, device=probs_k.device)))
-            token, confidence = ids[drawn], values[drawn]
-            dist = SparseDistribution(tuple(ids.tolist()), tuple(probs_k.tolist()))
-        token = int(token)
-        alternatives = () if alternatives is None else tuple(t for t in alternatives.tolist() if t != token)[:num_alternatives]
-        return token, dist, alternatives, 1.0 if confidence is None else float(confidence)
+        return pick_draft_token(logits, position, self._sampling, self._top_k, num_alternatives, noise,
+                                want_confidence=self.min_confidence > 0)
 
     def propose_branches(self, sequences: Sequence[Sequence[int]], num_tokens: int, num_alternatives: int = 0,
                          interrupt: Callable[[], bool] | None = None) -> list[DraftProposal] | None:

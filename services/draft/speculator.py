@@ -59,7 +59,13 @@ class SessionSpeculator:
             raise InvalidRequest(f"the outcome would make the session {outcome.committed_len} tokens long; this drafter "
                                  f"keeps at most {self.context_length} per session")
         base = outcome.committed_len - len(outcome.token_ids)
+        features_only = (not outcome.token_ids and outcome.committed_len == len(self.committed) and outcome.features is not None
+                         and (outcome.num_speculative_tokens, outcome.overlap) == (self.k, self.overlap))
         apply_outcome(self.committed, outcome, self.vocab_size)
+        if outcome.features is not None and hasattr(self.session, "add_features"):
+            self.session.add_features(outcome.features)
+        if features_only:
+            return  # more of a step's features (core/features.py): nothing to re-plan
         self.k, self.overlap = outcome.num_speculative_tokens, outcome.overlap
         self.version += 1
         self._drafting_jit = False

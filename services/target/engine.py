@@ -6,6 +6,8 @@ verification rules over all of it (core/batch_rules.py). No gRPC here.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import itertools
 import logging
@@ -18,6 +20,7 @@ import torch
 from specdec.core.batch_rules import RuleStep, decide_batch
 from specdec.core.errors import InvalidRequest, Overloaded, SessionAlreadyOpen, SpecdecError, UnsupportedModel
 from specdec.core.exact_ops import ExactNumericsUnavailable
+from specdec.core.features import needs_features, to_chunks
 from specdec.core.kv import shared_prefixes
 from specdec.core.kv_blocks import BlockLayout, HostCopy, PendingBlock, encode_block, model_fingerprint
 from specdec.core.llama_decode import NUMERICS, PACK_ROWS, LlamaDecoder, supports
@@ -111,13 +114,20 @@ class SessionState:
     # rejected drafts, which the next feed overwrites: rollback is this number going down.
     valid_len: int = 0
     blocks_written: int = 0  # full KV blocks handed to the store so far
+    # Its drafter reads the target's features (core/features.py): each prefill and step leaves the
+    # newly paired positions' here, for the session's loop to send with its next outcome.
+    wants_features: bool = False
+    features_out: collections.deque = dataclasses.field(default_factory=collections.deque)
 
-    def feed(self, draft_ids: Sequence[int] = (), parents: tuple[int, ...] = ()) -> Feed:
+    def feed(self, draft_ids: Sequence[int] = (), parents: tuple[int, ...] = (), prefill: bool = False) -> Feed:
         """The committed tokens the cache lacks (at least the last one, whose logits judge the first
         draft, or give a prefill its next token), then the drafts (a chain, or a tree's nodes with
-        their ``parents``); logits for the last k + 1."""
+        their ``parents``); logits for the last k + 1 (and, for a feature drafter, features for the
+        rows a prefill computes or for those k + 1)."""
         start = min(self.valid_len, len(self.committed) - 1)
-        return Feed(self.cache, start, self.committed[start:] + list(draft_ids), len(draft_ids) + 1, parents)
+        rows = self.committed[start:] + list(draft_ids)
+        features = (len(rows) if prefill else len(draft_ids) + 1) if self.wants_features else 0
+        return Feed(self.cache, start, rows, len(draft_ids) + 1, parents, features)
 
 
 def _decide(logits: torch.Tensor, steps: Sequence[RuleStep | TreeStep]) -> list[tuple[tuple[int, ...], int] | TreeOutcome]:
@@ -266,7 +276,8 @@ class VerifierEngine:
                 results[i] = exc
                 continue
             reserving += reserve
-            session = SessionState(list(spec.prompt_ids), self.runner.new_cache(), spec.sampling, reserve)
+            session = SessionState(list(spec.prompt_ids), self.runner.new_cache(), spec.sampling, reserve,
+                                   wants_features=needs_features(spec.drafter))
             if stored:
                 session.valid_len = len(stored) * self.layout.block_tokens
                 self.runner.write_prefix(session.cache, torch.cat(list(stored), dim=3))
@@ -277,7 +288,8 @@ class VerifierEngine:
         # they share once: the first in one forward, the others copy its keys and values and feed
         # only the rest in a second.
         copies = shared_prefixes([prompt for _, _, _, prompt in ready], MIN_SHARED_PREFIX,
-                                 [self.layout is not None and session.valid_len == 0 for _, _, session, _ in ready])
+                                 [self.layout is not None and session.valid_len == 0 and not session.wants_features
+                                  for _, _, session, _ in ready])  # (a copied prefix computes no features)
         leaders = [session for (_, _, session, _), copy in zip(ready, copies) if copy is None]
         followers = [(session, ready[copy[0]][2], copy[1]) for (_, _, session, _), copy in zip(ready, copies) if copy]
         self.last_prefill_tokens = (sum(len(s.committed) - s.valid_len for s in leaders)
@@ -303,7 +315,11 @@ class VerifierEngine:
     def _prefill(self, sessions: Sequence[SessionState]) -> None:
         """Feed each session's prompt past what its cache holds, in one forward (logits of the last row only)."""
         if sessions:
-            self._forward([s.feed() for s in sessions])
+            feeds = [s.feed(prefill=True) for s in sessions]
+            self._forward(feeds)
+            for s, feed, features in zip(sessions, feeds, self._features(len(feeds))):
+                if features is not None:  # the prompt's pairs: every row but the last, whose next token is to come
+                    s.features_out.extend(to_chunks(feed.start, features[:-1]))
         for s in sessions:
             s.valid_len = len(s.committed)
 
@@ -343,17 +359,26 @@ class VerifierEngine:
             feeds = [s.feed(step.tree.token_ids, step.tree.parents) if isinstance(step, TreeStep) else s.feed(step.draft_ids)
                      for _, s, step in checked]
             logits = torch.cat(self._forward(feeds))  # [sum(k + 1), vocab], in order
-            for (i, s, step), outcome in zip(checked, _decide(logits, [step for _, _, step in checked])):
+            features = self._features(len(feeds))
+            for (i, s, step), outcome, rows in zip(checked, _decide(logits, [step for _, _, step in checked]), features):
                 if isinstance(outcome, TreeOutcome):
                     self.runner.keep_path(s.cache, step.position, outcome.path)  # the path's keys where a chain's would be
                     tokens, accepted = outcome.tokens, outcome.accepted
+                    kept = [0, *(1 + node for node in outcome.path)]
                 else:
                     tokens, accepted = outcome
+                    kept = list(range(accepted + 1))
+                if rows is not None:  # the last committed token's row and the accepted drafts'
+                    s.features_out.extend(to_chunks(step.position - 1, rows[kept]))
                 s.valid_len = step.position + accepted  # the accepted drafts' keys are the committed tokens'
                 s.committed.extend(tokens)
                 results[i] = (tokens, accepted, len(s.committed))
         elapsed = time.perf_counter_ns() - t0  # each step waited for the whole batch
         return [VerifyOutcome(*r, elapsed) if isinstance(r, tuple) else r for r in results]
+
+    def _features(self, count: int) -> list[torch.Tensor | None]:
+        """The last forward's features per feed (None where none were asked or the runner has none)."""
+        return self.runner.last_features or [None] * count
 
     def _rule_step(self, proposal: DraftProposal, draft_probs: torch.Tensor | None, sampling: SamplingParams,
                    n: int) -> RuleStep | TreeStep:

@@ -110,8 +110,17 @@ class VerifierLoop:
             log.warning("session %s: closing took over %.0fs", short_id(session_id), self.config.close_timeout_s)
 
     def _tell_drafter(self, token_ids: tuple[int, ...]) -> None:
+        """The step's outcome, with the target's features for a drafter that reads them: the first
+        chunk rides with the outcome, any more follow in outcomes that commit nothing."""
+        state = self.plan.state
+        chunks = list(state.features_out) if state is not None else []
+        if chunks:
+            state.features_out.clear()  # (sent or, with the link down, dropped: a new link starts without them)
         if self.link is not None and self.link.up:
-            self.link.send(StepOutcome(len(self.committed), token_ids, self.plan.k, self.plan.overlap))
+            n, k, overlap = len(self.committed), self.plan.k, self.plan.overlap
+            self.link.send(StepOutcome(n, token_ids, k, overlap, chunks[0] if chunks else None))
+            for chunk in chunks[1:]:
+                self.link.send(StepOutcome(n, (), k, overlap, chunk))
 
     async def _take_block(self):
         link = self.link

@@ -1,6 +1,7 @@
 """Protobuf <-> core dataclasses, at the edge only (TGI's from_pb / to_pb). Core code never sees *_pb2."""
 from __future__ import annotations
 
+from specdec.core import features
 from specdec.core.errors import InvalidRequest
 from specdec.core.sampling import SamplingParams, VerificationRule
 from specdec.core.speculation import SpeculationMode, SpeculationPolicy
@@ -108,12 +109,22 @@ def block_from_pb(pb: drafter_pb2.DraftBlock) -> DraftBlock:
 
 
 def outcome_to_pb(o: StepOutcome) -> drafter_pb2.SpeculateRequest:
-    return drafter_pb2.SpeculateRequest(outcome=drafter_pb2.StepOutcome(
-        committed_len=o.committed_len, token_ids=o.token_ids, num_speculative_tokens=o.num_speculative_tokens, overlap=o.overlap))
+    pb = drafter_pb2.StepOutcome(committed_len=o.committed_len, token_ids=o.token_ids,
+                                 num_speculative_tokens=o.num_speculative_tokens, overlap=o.overlap)
+    if o.features is not None:
+        first, width, data = features.encode(o.features)
+        pb.features.CopyFrom(drafter_pb2.FeatureChunk(first_position=first, width=width, bfloat16=data))
+    return drafter_pb2.SpeculateRequest(outcome=pb)
 
 
 def outcome_from_pb(pb: drafter_pb2.StepOutcome) -> StepOutcome:
-    return StepOutcome(pb.committed_len, tuple(pb.token_ids), pb.num_speculative_tokens, pb.overlap)
+    chunk = None
+    if pb.HasField("features"):
+        f = pb.features
+        chunk = features.decode(f.first_position, f.width, f.bfloat16)
+        if chunk.end > pb.committed_len:
+            raise InvalidRequest(f"features reach position {chunk.end - 1}, past the {pb.committed_len} committed tokens")
+    return StepOutcome(pb.committed_len, tuple(pb.token_ids), pb.num_speculative_tokens, pb.overlap, chunk)
 
 
 MAX_DNS_NAME_CHARS = 253

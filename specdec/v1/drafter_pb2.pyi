@@ -16,16 +16,28 @@ class SpeculateRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[_common_pb2.OpenSessionRequest, _Mapping]] = ..., outcome: _Optional[_Union[StepOutcome, _Mapping]] = ...) -> None: ...
 
 class StepOutcome(_message.Message):
-    __slots__ = ("committed_len", "token_ids", "num_speculative_tokens", "overlap")
+    __slots__ = ("committed_len", "token_ids", "num_speculative_tokens", "overlap", "features")
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     committed_len: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_speculative_tokens: int
     overlap: bool
-    def __init__(self, committed_len: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    features: FeatureChunk
+    def __init__(self, committed_len: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., overlap: _Optional[bool] = ..., features: _Optional[_Union[FeatureChunk, _Mapping]] = ...) -> None: ...
+
+class FeatureChunk(_message.Message):
+    __slots__ = ("first_position", "width", "bfloat16")
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    BFLOAT16_FIELD_NUMBER: _ClassVar[int]
+    first_position: int
+    width: int
+    bfloat16: bytes
+    def __init__(self, first_position: _Optional[int] = ..., width: _Optional[int] = ..., bfloat16: _Optional[bytes] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
     __slots__ = ("anchor_len", "assumed_ids", "draft_token_ids", "draft_distributions", "draft_time_ns", "parent_indices")

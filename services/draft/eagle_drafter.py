@@ -1,0 +1,156 @@
+"""Drafting with an EAGLE head (drafter ``eagle``): the target's own features, sent by the verifier,
+and a one-layer head over them (core/eagle_head.py).
+
+The head at position ``p`` reads the pair (``f_p``, token ``p + 1``) and predicts ``f̂_{p+1}``,
+whose LM-head logits propose token ``p + 2``. The verifier sends each position's feature once the
+token after it is committed (core/features.py), so after every step the head *ingests* the new
+true pairs into its own KV cache (one forward over them) and keeps its last prediction. To draft
+after ``committed``: positions the head has no true feature for (the tokens a pre-draft assumes, or
+features still on their way) are fed with its own predicted features, then each draft token is
+proposed from the current prediction and fed back, as EAGLE chains. Everything past the true pairs
+is rolled back after the block (the cache truncated, the prediction restored), so the head's state
+is always a function of the committed tokens and their features alone.
+
+Tokens are chosen as the model drafter chooses them (`pick_draft_token`): greedy the argmax; the
+coupled rule the argmax of processed log-probabilities plus the request's noise at the position
+(the target-only coupled token wherever the head agrees with the target); the rejection rule a
+draw from the head's top-K distribution, which is sent with the block. Every rule verifies these
+exactly, so the head can only change speed, never output.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from specdec.core.eagle_head import EagleHead, HeadCache
+from specdec.core.features import FeatureChunk
+from specdec.core.sampling import SamplingParams
+from specdec.core.steps import DraftProposal
+from specdec.draft.base import DraftConfig
+from specdec.draft.model_drafter import pick_draft_token
+
+
+class EagleDraftSession:
+    def __init__(self, head: EagleHead, sampling: SamplingParams, proposal_top_k: int) -> None:
+        self._head = head
+        self._sampling = sampling
+        self._top_k = proposal_top_k
+        # Chunks from the verifier, appended on the servicer's thread, taken on the draft thread.
+        self._arriving: collections.deque[FeatureChunk] = collections.deque()
+        self._features: FeatureChunk | None = None  # true features not yet ingested
+        self._cache = HeadCache()  # the head's keys and values of positions cache_start ..
+        self._cache_start = 0
+        self._prediction: torch.Tensor | None = None  # f̂ after the last ingested pair [1, hidden]
+        self._param = next(head.parameters())
+
+    def add_features(self, chunk: FeatureChunk) -> None:
+        self._arriving.append(chunk)
+
+    @property
+    def ingested_end(self) -> int:
+        """One past the last position whose true pair the head has read."""
+        return self._cache_start + self._cache.length
+
+    def propose(self, committed: Sequence[int], num_speculative_tokens: int, num_alternatives: int = 0,
+                interrupt: Callable[[], bool] | None = None) -> DraftProposal:
+        t0 = time.perf_counter_ns()
+        n = len(committed)
+        self._take_arrived()
+        self._ingest(committed)
+        if self._prediction is None or num_speculative_tokens <= 0:
+            return DraftProposal((), None, time.perf_counter_ns() - t0)
+        true_length, true_prediction = self._cache.length, self._prediction
+        try:
+            # Positions with no true feature yet: chained on the head's own predictions.
+            for p in range(self.ingested_end, n - 1):
+                self._prediction = self._step(self._prediction, committed[p + 1], p)
+            tokens, dists, alternatives = [], [], []
+            for i in range(num_speculative_tokens):
+                if tokens and interrupt is not None and interrupt():
+                    break
+                logits = self._head.logits(self._prediction)[0].float()  # [vocab]: token at position n + i
+                token, dist, alt, _ = pick_draft_token(logits, n + i, self._sampling, self._top_k, num_alternatives)
+                tokens.append(token)
+                if dist is not None:
+                    dists.append(dist)
+                if num_alternatives:
+                    alternatives.append(alt)
+                if i + 1 < num_speculative_tokens:
+                    self._prediction = self._step(self._prediction, token, n - 1 + i)
+        finally:  # roll back to the true pairs: the head's state never holds a guess
+            self._cache.truncate(true_length)
+            self._prediction = true_prediction
+        return DraftProposal(tuple(tokens), tuple(dists) if dists else None, time.perf_counter_ns() - t0, tuple(alternatives))
+
+    # ------------------------------------------------------------------------------------ internals
+
+    def _take_arrived(self) -> None:
+        """Add the chunks that arrived to the features still to ingest. A chunk that does not
+        follow on (a gap: the verifier had none to send for some positions, e.g. a prefix it read
+        from stored KV) restarts the head's history at its first position."""
+        while self._arriving:
+            chunk = self._arriving.popleft()
+            have = self._features.end if self._features is not None else self.ingested_end  # first position not held
+            if chunk.end <= have:
+                continue  # already held
+            if chunk.first_position > have:
+                self._restart(chunk.first_position)
+                self._features = chunk
+                continue
+            fresh = chunk.values[have - chunk.first_position :]
+            self._features = FeatureChunk(have, fresh) if self._features is None else \
+                FeatureChunk(self._features.first_position, torch.cat([self._features.values, fresh]))
+
+    def _restart(self, position: int) -> None:
+        self._cache, self._cache_start, self._prediction = HeadCache(), position, None
+
+    def _ingest(self, committed: Sequence[int]) -> None:
+        """Read every true pair (f_p, token p + 1) that ``committed`` completes, in one head forward."""
+        f = self._features
+        if f is None:
+            return
+        hi = min(f.end, len(committed) - 1)  # the pair needs the token after the feature
+        lo = f.first_position
+        if hi <= lo:
+            return
+        rows = f.values[: hi - lo].to(self._param)[None]  # [1, T, hidden]
+        tokens = torch.tensor([list(committed[lo + 1 : hi + 1])], device=self._param.device)
+        with torch.inference_mode():
+            predicted = self._head(rows, tokens, start=lo, cache=self._cache)  # [1, T, hidden]
+        self._prediction = predicted[:, -1]
+        rest = f.values[hi - lo :]
+        self._features = FeatureChunk(hi, rest) if rest.shape[0] else None
+
+    @torch.inference_mode()
+    def _step(self, feature: torch.Tensor, token: int, position: int) -> torch.Tensor:
+        """One chained position: (feature, token) at ``position`` -> the predicted next feature [1, hidden]."""
+        tokens = torch.tensor([[token]], device=self._param.device)
+        return self._head(feature[:, None], tokens, start=position, cache=self._cache)[:, 0]
+
+
+class EagleDrafter:
+    name = "eagle"
+    reads_features = True
+
+    def __init__(self, head: EagleHead, proposal_top_k: int) -> None:
+        self.head = head.eval()
+        self.vocab_size = head.config.vocab_size
+        self._top_k = proposal_top_k
+
+    def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> EagleDraftSession:
+        return EagleDraftSession(self.head, sampling, self._top_k)  # nothing to prefill: the features come from the verifier
+
+
+def build(config: DraftConfig) -> EagleDrafter | None:
+    """The registry's factory: None without a head (``eagle_head_path``) and the target it was trained on."""
+    if not config.eagle_head_path or not config.target_model_path:
+        return None
+    from specdec.core.eagle_head import load_target_parts
+
+    parts = load_target_parts(config.target_model_path)  # its embedding and LM head only
+    head = EagleHead.load(config.eagle_head_path, parts).to(torch.device(config.draft_device))
+    head.requires_grad_(False)
+    return EagleDrafter(head, config.proposal_top_k)

@@ -1,0 +1,264 @@
+"""Drafter ``eagle`` (services/draft/eagle_drafter.py): the demo target's EAGLE head, fed the
+target's features by the verifier (core/features.py), in one process and over real gRPC servers.
+
+The demo pair and its trained head (models/demo) rather than the tiny random pair: a random head
+agrees with nothing, and these tests want accepted drafts, not only correct output.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import uuid
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+from scipy import stats
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec import roles
+from specdec.core import features
+from specdec.core.errors import InvalidRequest
+from specdec.core.sampling import SamplingParams, VerificationRule
+from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+from specdec.core.steps import DraftProposal, SessionSpec, StepOutcome
+from specdec.draft.drafters import DraftConfig, build_drafters
+from specdec.orchestrator.loop import collect
+from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
+from specdec.rpc import wire
+from specdec.target.engine import TargetConfig, VerifierEngine
+
+from cluster import PATIENT, start_cluster
+from redis_server import delete_prefix
+from test_e2e import prompts, request
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+TARGET, DRAFT, HEAD = (str(DEMO / name) for name in ("target", "draft", "eagle"))
+MAX_NEW = 24
+N = 480  # seeds of the distribution test
+pytestmark = pytest.mark.skipif(not (DEMO / "eagle" / "config.json").is_file(), reason="no demo EAGLE head (models/demo/eagle)")
+
+
+@functools.lru_cache(maxsize=1)
+def hf_target():
+    tok = AutoTokenizer.from_pretrained(TARGET, local_files_only=True)
+    return tok, AutoModelForCausalLM.from_pretrained(TARGET, local_files_only=True, dtype=torch.float32).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def reference_greedy(prompt: str) -> tuple[int, ...]:
+    tok, model = hf_target()
+    ids = tok(prompt)["input_ids"]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=tok.eos_token_id)
+    return tuple(out[0, len(ids):].tolist())
+
+
+def post_norm_features(ids) -> torch.Tensor:
+    """The target's final-norm hidden states [len(ids), hidden], by transformers."""
+    _, model = hf_target()
+    with torch.no_grad():
+        return model.model(torch.tensor([list(ids)])).last_hidden_state[0]
+
+
+# ------------------------------------------------------------------------------------------ wire
+
+def test_a_chunk_crosses_the_wire_as_bfloat16_and_bad_ones_are_refused():
+    values = torch.randn(5, 12)
+    chunk = next(features.to_chunks(3, values))
+    pb = wire.outcome_to_pb(StepOutcome(9, (1, 2), 4, True, chunk)).outcome
+    assert len(pb.features.bfloat16) == 5 * 12 * 2  # width × 2 bytes a position
+    back = wire.outcome_from_pb(pb).features
+    assert back.first_position == 3 and torch.equal(back.values, values.to(torch.bfloat16))
+    pb.committed_len = 7  # features of position 7 before the token after it exists
+    with pytest.raises(InvalidRequest, match="past the 7 committed"):
+        wire.outcome_from_pb(pb)
+    for width, data, match in ((0, b"\0\0", "width"), (12, b"\0" * 7, "multiple"), (12, b"", "multiple"),
+                               (1, b"\0" * (features.MAX_CHUNK_BYTES + 2), "at most"),
+                               (1, torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes(), "finite")):
+        with pytest.raises(InvalidRequest, match=match):
+            features.decode(0, width, data)
+
+
+def test_a_long_prompt_is_split_into_bounded_chunks():
+    width = 4096
+    rows = torch.zeros(features.positions_per_chunk(width) * 2 + 1, width)
+    chunks = list(features.to_chunks(0, rows))
+    assert len(chunks) == 3 and all(c.nbytes <= features.MAX_CHUNK_BYTES for c in chunks)
+    assert [c.first_position for c in chunks] == [0, chunks[0].end, chunks[1].end] and chunks[-1].end == rows.shape[0]
+
+
+# ------------------------------------------------------------------------------------- verifier
+
+@pytest.fixture(scope="module")
+def engine():
+    return VerifierEngine.from_config(TargetConfig(TARGET, max_sessions=16))
+
+
+def test_the_verifier_sends_the_true_features_of_committed_pairs_and_only_to_feature_drafters(engine):
+    tok, _ = hf_target()
+    ids = tuple(tok("def mean(values):\n    return")["input_ids"])
+    engine.open(SessionSpec("e" * 32, ids, SamplingParams(), "eagle"))
+    engine.open(SessionSpec("d" * 32, ids, SamplingParams(), "model"))
+    eagle, plain = engine.sessions.get("e" * 32), engine.sessions.get("d" * 32)
+    (prompt_chunk,) = eagle.features_out
+    assert prompt_chunk.first_position == 0 and prompt_chunk.end == len(ids) - 1  # each with the token after it
+    torch.testing.assert_close(prompt_chunk.values.float(), post_norm_features(ids)[: len(ids) - 1], atol=0.05, rtol=0.02)
+    eagle.features_out.clear()
+    greedy = reference_greedy(tok.decode(ids))  # (decode round-trips these ids)
+    drafts = (greedy[0], greedy[1], (greedy[2] + 1) % 100)  # two right, one wrong
+    out = engine.verify_batch([("e" * 32, DraftProposal(drafts)), ("d" * 32, DraftProposal(drafts))])
+    assert out[0].num_accepted == 2 and out[0].token_ids == greedy[:3]
+    (step_chunk,) = eagle.features_out
+    n = len(ids)
+    assert (step_chunk.first_position, step_chunk.end) == (n - 1, n + 2)  # positions n-1 .. n-1+accepted
+    torch.testing.assert_close(step_chunk.values.float(), post_norm_features(ids + greedy[:3])[n - 1 : n + 2], atol=0.05, rtol=0.02)
+    assert not plain.features_out, "a drafter that reads no features got some"
+    engine.verify_batch([("d" * 32, DraftProposal(()))])
+    assert engine.runner.last_features is None  # nothing computed or kept when nobody asks
+    for sid in ("e" * 32, "d" * 32):
+        engine.close(sid)
+
+
+# -------------------------------------------------------------------------------------- drafter
+
+@pytest.fixture(scope="module")
+def eagle():
+    return build_drafters(DraftConfig(None, TARGET, eagle_head_path=HEAD))["eagle"]
+
+
+def feed_all(session, ids):
+    session.add_features(next(features.to_chunks(0, post_norm_features(ids)[: len(ids) - 1])))
+
+
+def test_the_heads_state_after_a_block_is_what_a_fresh_session_computes(eagle):
+    """Exact rollback: chained guesses (drafts, a pre-draft's assumed tokens) leave nothing behind,
+    and features arriving step by step give what a session given them all at once gives."""
+    tok, _ = hf_target()
+    ids = tuple(tok("import os\n\ndef walk(path):\n")["input_ids"]) + reference_greedy("import os\n\ndef walk(path):\n")[:6]
+    greedy = SamplingParams()
+    stepwise = eagle.open(ids[:8], greedy)
+    feats = post_norm_features(ids)
+    for end in range(8, len(ids) + 1, 3):  # a prefill, then steps (each chunk repeating one position)
+        start = max(0, end - 4) if end > 8 else 0
+        stepwise.add_features(next(features.to_chunks(start, feats[start : end - 1])))
+        stepwise.propose(ids[:end], 5)
+        stepwise.propose(ids[:end] + (1, 2, 3), 5)  # a pre-draft after assumed tokens
+    stepwise.add_features(next(features.to_chunks(len(ids) - 4, feats[len(ids) - 4 : len(ids) - 1])))
+    fresh = eagle.open(ids, greedy)
+    feed_all(fresh, ids)
+    a, b = stepwise.propose(ids, 6), fresh.propose(ids, 6)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 6
+    assert stepwise.ingested_end == fresh.ingested_end == len(ids) - 1
+    torch.testing.assert_close(stepwise._cache.keys, fresh._cache.keys, atol=1e-5, rtol=1e-4)
+    assert stepwise.propose(ids, 6).token_ids == a.token_ids  # proposing changed nothing
+
+
+def test_without_features_the_head_proposes_nothing_and_a_gap_restarts_it(eagle):
+    tok, _ = hf_target()
+    ids = tuple(tok("class Stack:\n    def push(self, item):\n")["input_ids"])
+    session = eagle.open(ids, SamplingParams())
+    assert session.propose(ids, 4).token_ids == ()  # nothing to draft from: an empty block, plain decoding
+    feats = post_norm_features(ids)
+    session.add_features(next(features.to_chunks(5, feats[5 : len(ids) - 1])))  # positions 0..4 never came
+    assert len(session.propose(ids, 4).token_ids) == 4 and session.ingested_end == len(ids) - 1
+
+
+def test_rejection_sampling_with_the_heads_proposals_keeps_the_targets_distribution(engine, eagle):
+    """The first committed token over N seeds against the target's own distribution at that
+    position (top-k 4, so every cell is well filled); control: the head's proposals are not
+    distributed so (some fall outside the target's top 4), yet what is committed is."""
+    tok, _ = hf_target()
+    ids = tuple(tok("for line in open(path):\n   ")["input_ids"])
+    sampling = dict(temperature=1.0, top_k=4, rule=VerificationRule.REJECTION)
+    _, model = hf_target()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    target = torch.softmax(torch.topk(logits, 4).values.double(), -1)
+    expected = (target / target.sum() * N).tolist()
+    support = torch.topk(logits, 4).indices.tolist()
+    counts, head_firsts = collections.Counter(), collections.Counter()
+    for first in range(0, N, 16):  # sixteen sessions a batch: one prefill and one verify forward
+        seeds = range(first, first + 16)
+        specs = [SessionSpec(f"{seed:032x}", ids, SamplingParams(seed=seed, **sampling), "eagle") for seed in seeds]
+        engine.open_batch([(spec, None, ()) for spec in specs])
+        steps = []
+        for spec in specs:
+            session = eagle.open(ids, spec.sampling)
+            for chunk in engine.sessions.get(spec.session_id).features_out:
+                session.add_features(chunk)
+            proposal = session.propose(ids, 3)
+            assert proposal.distributions is not None and len(proposal.distributions) == 3
+            head_firsts[proposal.token_ids[0]] += 1
+            steps.append((spec.session_id, proposal))
+        for outcome in engine.verify_batch(steps):
+            counts[outcome.token_ids[0]] += 1
+        for spec in specs:
+            engine.close(spec.session_id)
+    observed = [counts[t] for t in support]
+    assert sum(observed) == N, "a token outside the target's top-k was committed"
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+    head = [head_firsts[t] for t in support]  # control: what the head proposed is not the target's distribution
+    assert sum(head) < N or stats.chisquare(head, expected).pvalue < 1e-3, "the head alone already samples the target"
+
+
+
+# ------------------------------------------------------------------------------ end to end paths
+
+def policy(k: int) -> SpeculationPolicy:
+    return SpeculationPolicy(SpeculationMode.FIXED, k, max(k, 8))
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return roles.embedded(TargetConfig(TARGET), DraftConfig(DRAFT, TARGET, eagle_head_path=HEAD), OrchestratorConfig(),
+                          loop_config=PATIENT)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def eagle_cluster(redis_url):
+    c = await start_cluster(TARGET, DRAFT, redis_url, prefix=f"specdec-test-{uuid.uuid4().hex[:8]}", eagle_head=HEAD)
+    yield c
+    await c.stop()
+    delete_prefix(redis_url, c.store._prefix)
+
+
+async def test_greedy_in_one_process_equals_target_only(embedded):
+    tok, _ = hf_target()
+
+    def one(i: int, prompt: str):
+        return collect(embedded.generate(GenerationRequest(prompt_ids=tuple(tok(prompt)["input_ids"]), max_new_tokens=MAX_NEW,
+                                                           drafter="eagle", policy=policy((3, 5)[i % 2]))))
+    results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts(20))))  # concurrent sessions, one batch
+    for prompt, (_, out, _) in zip(prompts(20), results):
+        assert out == reference_greedy(prompt), prompt
+    accepted = sum(last.counters.accepted_tokens for last, _, _ in results)
+    assert accepted > 20 * MAX_NEW // 4, "the head's drafts were hardly accepted: is it reading the right features?"
+
+
+async def test_greedy_over_grpc_equals_target_only(eagle_cluster):
+    replies = await asyncio.gather(*(eagle_cluster.stub.Generate(request(p, (3, 5)[i % 2], "eagle"), timeout=120)
+                                     for i, p in enumerate(prompts(20))))  # concurrent sessions, one batch
+    for prompt, reply in zip(prompts(20), replies):
+        assert tuple(reply.token_ids) == reference_greedy(prompt), prompt
+    assert sum(r.stats.accepted_tokens for r in replies) > 20 * MAX_NEW // 4
+
+
+async def test_coupled_sampling_is_seed_exact_in_one_process_and_over_grpc(embedded, eagle_cluster):
+    tok, _ = hf_target()
+    accepted = 0
+    for i, prompt in enumerate(prompts(6)):
+        ids = tuple(tok(prompt)["input_ids"])
+        params = SamplingParams(seed=100 + i, temperature=0.8, rule=VerificationRule.COUPLED)
+
+        def one(drafter: str, k: int):
+            return collect(embedded.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=MAX_NEW, drafter=drafter,
+                                                               policy=policy(k) if k else SpeculationPolicy(SpeculationMode.FIXED, 0, 8),
+                                                               sampling=params, seed_given=True)))
+        (_, plain, _), (last, spec, _) = await asyncio.gather(one("model", 0), one("eagle", 5))
+        assert spec == plain, prompt
+        reply = await eagle_cluster.stub.Generate(request(prompt, 5, "eagle", temperature=0.8, seed=100 + i), timeout=120)
+        assert tuple(reply.token_ids) == plain, prompt
+        accepted += last.counters.accepted_tokens + reply.stats.accepted_tokens
+    assert accepted > 0
