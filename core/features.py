@@ -23,7 +23,7 @@ import torch
 from specdec.core.errors import InvalidRequest
 
 # Drafters that read the target's features: the verifier computes and sends them only for these.
-FEATURE_DRAFTERS = frozenset({"eagle"})
+FEATURE_DRAFTERS = frozenset({"eagle", "eagle_tree"})
 MAX_CHUNK_BYTES = 3 << 20  # under gRPC's default 4 MiB message, with room for the rest of the outcome
 MAX_WIDTH = 1 << 16
 WIRE_DTYPE = torch.bfloat16

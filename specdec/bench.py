@@ -58,7 +58,8 @@ def bench(config: BenchConfig, progress: Callable[..., None] | None = None) -> d
     and return the report (see ``specdec.bench_report.report``)."""
     progress = progress or _Progress()
     config.out.mkdir(parents=True, exist_ok=True)
-    methods = select(all_methods(config.ks), config.methods, (BASELINE, config.reference))
+    methods = select(all_methods(config.ks, eagle=config.draft_fields()["eagle_head_path"] is not None), config.methods,
+                     (BASELINE, config.reference))
     if not config.distributed:
         methods = [m for m in methods if not m.distributed]
     deployment = Deployment.start(config) if any(m.distributed for m in methods) else None

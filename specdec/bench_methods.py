@@ -76,7 +76,8 @@ def policy(k: int | None, overlap: bool) -> SpeculationPolicy:
     return SpeculationPolicy(SpeculationMode.FIXED, k, max(k, MAX_ADAPTIVE_K), overlap=overlap)
 
 
-def all_methods(ks: tuple[int, ...]) -> list[Method]:
+def all_methods(ks: tuple[int, ...], eagle: bool = False) -> list[Method]:
+    """Every method; ``eagle``: with the EAGLE head's rows (the configuration has a head for its target)."""
     methods = [Method(BASELINE, "target only (HF)"), Method("specdec_k0", "specdec k=0", policy(0, False))]
     for where, dist in (("inproc", False), ("dist", True)):
         for mode, overlap in (("seq", False), ("overlap", True)):
@@ -88,6 +89,13 @@ def all_methods(ks: tuple[int, ...]) -> list[Method]:
     methods += [Method(f"inproc_seq_tree{k}", "in-process, sequential, token trees", policy(k, False), drafter="tree")
                 for k in TREE_BUDGETS]
     methods.append(Method("dist_overlap_tree7", "distributed, overlap, token trees", policy(7, True), True, "tree"))
+    if eagle:  # the head over the target's features, chains and trees, at the rows of the draft model's rows above
+        methods += [Method(f"inproc_seq_eagle_k{k}", "in-process, sequential, EAGLE head", policy(k, False), drafter="eagle")
+                    for k in (3, 4, 7)]
+        methods += [Method(f"inproc_seq_eagle_tree{k}", "in-process, sequential, EAGLE head trees", policy(k, False),
+                           drafter="eagle_tree") for k in TREE_BUDGETS]
+        methods += [Method("dist_overlap_eagle_k4", "distributed, overlap, EAGLE head", policy(4, True), True, "eagle"),
+                    Method("dist_overlap_eagle_tree7", "distributed, overlap, EAGLE head trees", policy(7, True), True, "eagle_tree")]
     return methods
 
 

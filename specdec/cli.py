@@ -300,7 +300,8 @@ async def _generate_embedded(args) -> int:
     from specdec.target.engine import TargetConfig
 
     target = model_path(args.target, ENV_TARGET, "target")
-    draft = model_path(args.draft, ENV_DRAFT, "draft") if args.drafter == "model" else (args.draft or os.environ.get(ENV_DRAFT))
+    # The drafters over the draft model need it; the others load it only when named.
+    draft = model_path(args.draft, ENV_DRAFT, "draft") if args.drafter in ("model", "tree") else (args.draft or os.environ.get(ENV_DRAFT))
     request = request_from_args(args)
     # Drafter and verifier take turns on one model thread; unless --threads fixes it, each forward's
     # torch thread count is chosen by measuring: more threads win on an idle machine and lose badly

@@ -36,8 +36,8 @@ from test_e2e import prompts, request
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 TARGET, DRAFT, HEAD = (str(DEMO / name) for name in ("target", "draft", "eagle"))
-MAX_NEW = 24
-N = 480  # seeds of the distribution test
+MAX_NEW = 16
+N = 320  # seeds of the distribution test
 pytestmark = pytest.mark.skipif(not (DEMO / "eagle" / "config.json").is_file(), reason="no demo EAGLE head (models/demo/eagle)")
 
 
@@ -224,25 +224,51 @@ async def eagle_cluster(redis_url):
     delete_prefix(redis_url, c.store._prefix)
 
 
+CASES = [(prompt, drafter, (3, 5)[i % 2] if drafter == "eagle" else (7, 15)[i % 2])
+         for i, prompt in enumerate(prompts(20)) for drafter in ("eagle", "eagle_tree")]  # chains of k, trees of k nodes
+
+
 async def test_greedy_in_one_process_equals_target_only(embedded):
     tok, _ = hf_target()
 
-    def one(i: int, prompt: str):
+    def one(prompt: str, drafter: str, k: int):
         return collect(embedded.generate(GenerationRequest(prompt_ids=tuple(tok(prompt)["input_ids"]), max_new_tokens=MAX_NEW,
-                                                           drafter="eagle", policy=policy((3, 5)[i % 2]))))
-    results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts(20))))  # concurrent sessions, one batch
-    for prompt, (_, out, _) in zip(prompts(20), results):
-        assert out == reference_greedy(prompt), prompt
-    accepted = sum(last.counters.accepted_tokens for last, _, _ in results)
-    assert accepted > 20 * MAX_NEW // 4, "the head's drafts were hardly accepted: is it reading the right features?"
+                                                           drafter=drafter, policy=policy(k))))
+    results = await asyncio.gather(*(one(*case) for case in CASES))  # concurrent sessions, one batch
+    accepted = collections.Counter()
+    for (prompt, drafter, k), (last, out, _) in zip(CASES, results):
+        assert out == reference_greedy(prompt), (prompt, drafter, k)
+        accepted[drafter] += last.counters.accepted_tokens
+    for drafter in ("eagle", "eagle_tree"):
+        assert accepted[drafter] > 20 * MAX_NEW // 4, f"{drafter}: drafts hardly accepted: is the head reading the right features?"
 
 
 async def test_greedy_over_grpc_equals_target_only(eagle_cluster):
-    replies = await asyncio.gather(*(eagle_cluster.stub.Generate(request(p, (3, 5)[i % 2], "eagle"), timeout=120)
-                                     for i, p in enumerate(prompts(20))))  # concurrent sessions, one batch
-    for prompt, reply in zip(prompts(20), replies):
-        assert tuple(reply.token_ids) == reference_greedy(prompt), prompt
-    assert sum(r.stats.accepted_tokens for r in replies) > 20 * MAX_NEW // 4
+    replies = await asyncio.gather(*(eagle_cluster.stub.Generate(request(prompt, k, drafter, max_new=MAX_NEW), timeout=120)
+                                     for prompt, drafter, k in CASES))
+    accepted = collections.Counter()
+    for (prompt, drafter, k), reply in zip(CASES, replies):
+        assert tuple(reply.token_ids) == reference_greedy(prompt), (prompt, drafter, k)
+        accepted[drafter] += reply.stats.accepted_tokens
+    assert min(accepted["eagle"], accepted["eagle_tree"]) > 20 * MAX_NEW // 4
+
+
+def test_trees_branch_where_the_head_is_unsure_and_leave_its_state_as_it_was(eagle):
+    from specdec.draft.drafters import build_drafters as build
+
+    trees = build(DraftConfig(None, TARGET, eagle_head_path=HEAD))["eagle_tree"]
+    tok, _ = hf_target()
+    ids = tuple(tok("    for key, value in items:\n")["input_ids"])
+    session = trees.open(ids, SamplingParams())
+    feed_all(session, ids)
+    chain = session._session.propose(ids, 8)
+    state = (session._session.ingested_end, session._session._cache.length)
+    tree = session.propose(ids, 15)
+    assert (session._session.ingested_end, session._session._cache.length) == state  # rolled back
+    assert len(tree.token_ids) == 15 and tree.parents and not tree.tree.is_chain
+    assert tree.token_ids[tree.tree.children[-1][0]] == chain.token_ids[0]  # its likeliest root child is the chain's draft
+    main = [tree.token_ids[j] for j in tree.tree.main_chain]
+    assert main == list(chain.token_ids[: len(main)])  # greedy: the first-child path is the chain
 
 
 async def test_coupled_sampling_is_seed_exact_in_one_process_and_over_grpc(embedded, eagle_cluster):
@@ -256,9 +282,10 @@ async def test_coupled_sampling_is_seed_exact_in_one_process_and_over_grpc(embed
             return collect(embedded.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=MAX_NEW, drafter=drafter,
                                                                policy=policy(k) if k else SpeculationPolicy(SpeculationMode.FIXED, 0, 8),
                                                                sampling=params, seed_given=True)))
-        (_, plain, _), (last, spec, _) = await asyncio.gather(one("model", 0), one("eagle", 5))
-        assert spec == plain, prompt
-        reply = await eagle_cluster.stub.Generate(request(prompt, 5, "eagle", temperature=0.8, seed=100 + i), timeout=120)
-        assert tuple(reply.token_ids) == plain, prompt
+        drafter, k = ("eagle", 5) if i % 2 else ("eagle_tree", 7)
+        (_, plain, _), (last, spec, _) = await asyncio.gather(one("model", 0), one(drafter, k))
+        assert spec == plain, (prompt, drafter)
+        reply = await eagle_cluster.stub.Generate(request(prompt, k, drafter, max_new=MAX_NEW, temperature=0.8, seed=100 + i), timeout=120)
+        assert tuple(reply.token_ids) == plain, (prompt, drafter)
         accepted += last.counters.accepted_tokens + reply.stats.accepted_tokens
     assert accepted > 0

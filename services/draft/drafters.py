@@ -22,6 +22,7 @@ REGISTRY: dict[str, DrafterFactory] = {
 # name -> factory of a drafter built over others (sharing their model); None when it cannot be.
 DERIVED = {
     "tree": tree_drafter.derive,
+    "eagle_tree": eagle_drafter.derive,
 }
 
 

@@ -20,8 +20,9 @@ exactly, so the head can only change speed, never output.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -29,8 +30,10 @@ from specdec.core.eagle_head import EagleHead, HeadCache
 from specdec.core.features import FeatureChunk
 from specdec.core.sampling import SamplingParams
 from specdec.core.steps import DraftProposal
+from specdec.core.tree import ROOT, depths
 from specdec.draft.base import DraftConfig
 from specdec.draft.model_drafter import pick_draft_token
+from specdec.draft.tree_drafter import grow_tree
 
 
 class EagleDraftSession:
@@ -58,17 +61,9 @@ class EagleDraftSession:
                 interrupt: Callable[[], bool] | None = None) -> DraftProposal:
         t0 = time.perf_counter_ns()
         n = len(committed)
-        self._take_arrived()
-        self._ingest(committed)
-        if self._prediction is None or num_speculative_tokens <= 0:
-            return DraftProposal((), None, time.perf_counter_ns() - t0)
-        true_length, true_prediction = self._cache.length, self._prediction
-        try:
-            # Positions with no true feature yet: chained on the head's own predictions.
-            for p in range(self.ingested_end, n - 1):
-                self._prediction = self._step(self._prediction, committed[p + 1], p)
-            tokens, dists, alternatives = [], [], []
-            for i in range(num_speculative_tokens):
+        tokens, dists, alternatives = [], [], []
+        with self._rolled_back(committed) as ready:
+            for i in range(num_speculative_tokens if ready else 0):
                 if tokens and interrupt is not None and interrupt():
                     break
                 logits = self._head.logits(self._prediction)[0].float()  # [vocab]: token at position n + i
@@ -80,10 +75,63 @@ class EagleDraftSession:
                     alternatives.append(alt)
                 if i + 1 < num_speculative_tokens:
                     self._prediction = self._step(self._prediction, token, n - 1 + i)
-        finally:  # roll back to the true pairs: the head's state never holds a guess
+        return DraftProposal(tuple(tokens), tuple(dists) if dists else None, time.perf_counter_ns() - t0, tuple(alternatives))
+
+    def propose_tree(self, committed: Sequence[int], budget: int, interrupt: Callable[[], bool] | None = None) -> DraftProposal:
+        """A dynamic tree of at most ``budget`` nodes (EAGLE-2: grown where the head is unsure;
+        services/draft/tree_drafter.py), each depth one masked head forward over its new nodes."""
+        t0 = time.perf_counter_ns()
+        n = len(committed)
+        with self._rolled_back(committed) as ready:
+            if not ready or budget <= 0:
+                return DraftProposal((), None, time.perf_counter_ns() - t0)
+            prefix = self._cache.length  # keys every node sees: the true pairs and chained guesses
+            outputs: dict[int, torch.Tensor] = {ROOT: self._prediction}  # node -> its predicted feature [1, hidden]
+            fed: list[int] = []  # nodes in the order their rows entered the cache
+
+            def expand(tokens: list[int], parents: list[int], added: list[int]) -> torch.Tensor:
+                node_depths = depths(parents)
+                row_of = {node: prefix + j for j, node in enumerate(fed)}
+                mask = torch.zeros(len(added), prefix + len(fed) + len(added), dtype=torch.bool)
+                mask[:, :prefix] = True
+                for j, node in enumerate(added):
+                    mask[j, prefix + len(fed) + j] = True
+                    a = parents[node]
+                    while a != ROOT:
+                        mask[j, row_of[a]] = True
+                        a = parents[a]
+                features = torch.cat([outputs[parents[node]] for node in added])[None]  # [1, T, hidden]
+                ids = torch.tensor([[tokens[node] for node in added]], device=self._param.device)
+                positions = torch.tensor([n - 1 + node_depths[node] for node in added], device=self._param.device)
+                with torch.inference_mode():
+                    out = self._head(features, ids, cache=self._cache, positions=positions, mask=mask.to(self._param.device))[0]
+                fed.extend(added)
+                for j, node in enumerate(added):
+                    outputs[node] = out[j : j + 1]
+                return self._head.logits(out).float()
+
+            root_logits = self._head.logits(self._prediction)[0].float()
+            ids, parents = grow_tree(root_logits, n, budget, self._sampling, expand, interrupt)
+        return DraftProposal(ids, None, time.perf_counter_ns() - t0, parents=parents)
+
+    @contextlib.contextmanager
+    def _rolled_back(self, committed: Sequence[int]) -> Iterator[bool]:
+        """Ingest the true pairs ``committed`` completes, chain the head over the positions after
+        them (its own predictions in place of features not yet known), yield whether it can draft,
+        then forget everything past the true pairs: the head's state never holds a guess."""
+        self._take_arrived()
+        self._ingest(committed)
+        if self._prediction is None:
+            yield False
+            return
+        true_length, true_prediction = self._cache.length, self._prediction
+        try:
+            for p in range(self.ingested_end, len(committed) - 1):
+                self._prediction = self._step(self._prediction, committed[p + 1], p)
+            yield True
+        finally:
             self._cache.truncate(true_length)
             self._prediction = true_prediction
-        return DraftProposal(tuple(tokens), tuple(dists) if dists else None, time.perf_counter_ns() - t0, tuple(alternatives))
 
     # ------------------------------------------------------------------------------------ internals
 
@@ -131,9 +179,20 @@ class EagleDraftSession:
         return self._head(feature[:, None], tokens, start=position, cache=self._cache)[:, 0]
 
 
+class EagleTreeSession:
+    """Drafter ``eagle_tree``: the head's dynamic trees; its state is an `EagleDraftSession`'s."""
+
+    def __init__(self, session: EagleDraftSession) -> None:
+        self._session = session
+        self.add_features = session.add_features
+
+    def propose(self, committed: Sequence[int], num_speculative_tokens: int, num_alternatives: int = 0,
+                interrupt: Callable[[], bool] | None = None) -> DraftProposal:
+        return self._session.propose_tree(committed, num_speculative_tokens, interrupt)
+
+
 class EagleDrafter:
     name = "eagle"
-    reads_features = True
 
     def __init__(self, head: EagleHead, proposal_top_k: int) -> None:
         self.head = head.eval()
@@ -142,6 +201,25 @@ class EagleDrafter:
 
     def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> EagleDraftSession:
         return EagleDraftSession(self.head, sampling, self._top_k)  # nothing to prefill: the features come from the verifier
+
+
+class EagleTreeDrafter:
+    """Trees from an `EagleDrafter`'s head (shared, not loaded again)."""
+
+    name = "eagle_tree"
+
+    def __init__(self, chains: EagleDrafter) -> None:
+        self._chains = chains
+        self.vocab_size = chains.vocab_size
+
+    def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> EagleTreeSession:
+        return EagleTreeSession(self._chains.open(prompt_ids, sampling))
+
+
+def derive(drafters: dict, config: DraftConfig) -> EagleTreeDrafter | None:
+    """The registry's derived factory: trees over the ``eagle`` drafter's head."""
+    chains = drafters.get("eagle")
+    return EagleTreeDrafter(chains) if chains is not None else None
 
 
 def build(config: DraftConfig) -> EagleDrafter | None:

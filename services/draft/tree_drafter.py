@@ -51,55 +51,77 @@ class TreeDraftSession:
                 interrupt: Callable[[], bool] | None = None) -> DraftProposal:
         """A tree of at most ``num_speculative_tokens`` nodes after ``committed``."""
         t0 = time.perf_counter_ns()
-        budget = num_speculative_tokens
-        if budget <= 0:
+        if num_speculative_tokens <= 0:
             return DraftProposal(())
-        width = width_for(budget)
-        max_depth = -(-budget // width) + 1
         n = len(committed)
         kv = self._session.kv
-        frontier = [(ROOT, 0.0, kv.logits_for(committed, 1)[0])]  # (node, path score, its logits [vocab])
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []
-        for depth in range(max_depth):
-            candidates = []  # (score, parent, token)
-            for node, score, logits in frontier:
-                ranked, logprobs = self._ranked(logits, n + depth)
-                top = torch.topk(ranked, min(BRANCH, ranked.shape[-1])).indices
-                for token, lp in zip(top.tolist(), logprobs[top].tolist()):
-                    if lp > float("-inf"):
-                        candidates.append((score + lp, node, token))
-            candidates.sort(key=lambda c: -c[0])
-            added = []
-            for score, parent, token in candidates[:width]:
-                tokens.append(token)
-                parents.append(parent)
-                scores.append(score)
-                added.append(len(tokens) - 1)
-            if not added or depth == max_depth - 1 or (interrupt is not None and interrupt()):
-                break
-            rows = self._runner.forward([Feed(kv.cache, n, list(tokens), len(added), tuple(parents))])[0]  # [len(added), vocab]
-            frontier = [(node, scores[node], rows[j]) for j, node in enumerate(added)]
-        node_depths = depths(parents)  # ties (a child as likely as its parent) keep the parent first
-        keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], node_depths[i], i))[:budget])
-        index = {old: new for new, old in enumerate(keep)}
-        chosen = [(tokens[i], ROOT if parents[i] == ROOT else index[parents[i]]) for i in keep]
-        ids, tree_parents = tuple(t for t, _ in chosen), tuple(p for _, p in chosen)
-        if all(p == i - 1 for i, p in enumerate(tree_parents)):
-            tree_parents = ()  # a chain: sent as one
-        return DraftProposal(ids, None, time.perf_counter_ns() - t0, parents=tree_parents)
 
-    def _ranked(self, logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(what candidates are ranked by, the draft's log-probabilities that score a path), [vocab] each."""
-        s = self._sampling
-        if s.greedy:
-            logprobs = torch.log_softmax(logits.float(), -1)
-            return logprobs, logprobs
-        logprobs = processed_logprobs(logits, s)
-        if s.coupled:
-            return logprobs + gumbel_noise(s.seed, (position,), logits.shape[-1], logits.device)[0], logprobs
+        def expand(tokens: list[int], parents: list[int], added: list[int]) -> torch.Tensor:
+            return self._runner.forward([Feed(kv.cache, n, list(tokens), len(added), tuple(parents))])[0]
+
+        ids, parents = grow_tree(kv.logits_for(committed, 1)[0], n, num_speculative_tokens, self._sampling, expand, interrupt)
+        return DraftProposal(ids, None, time.perf_counter_ns() - t0, parents=parents)
+
+
+Expand = Callable[[list[int], list[int], list[int]], torch.Tensor]
+
+
+def grow_tree(root_logits: torch.Tensor, n: int, budget: int, sampling: SamplingParams, expand: Expand,
+              interrupt: Callable[[], bool] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A tree of at most ``budget`` nodes after ``n`` committed tokens (see the module's docstring):
+    ``root_logits`` [vocab] propose position n; ``expand(tokens, parents, added)`` returns the
+    logits [len(added), vocab] after each of the nodes ``added`` (the last ones of the tree so far)."""
+    width = width_for(budget)
+    max_depth = -(-budget // width) + 1
+    frontier = [(ROOT, 0.0, root_logits)]  # (node, path score, its logits [vocab])
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    for depth in range(max_depth):
+        candidates = []  # (score, parent, token)
+        for node, score, logits in frontier:
+            rank, logprobs = ranked(logits, n + depth, sampling)
+            top = torch.topk(rank, min(BRANCH, rank.shape[-1])).indices
+            for token, lp in zip(top.tolist(), logprobs[top].tolist()):
+                if lp > float("-inf"):
+                    candidates.append((score + lp, node, token))
+        candidates.sort(key=lambda c: -c[0])
+        added = []
+        for score, parent, token in candidates[:width]:
+            tokens.append(token)
+            parents.append(parent)
+            scores.append(score)
+            added.append(len(tokens) - 1)
+        if not added or depth == max_depth - 1 or (interrupt is not None and interrupt()):
+            break
+        rows = expand(tokens, parents, added)  # [len(added), vocab]
+        frontier = [(node, scores[node], rows[j]) for j, node in enumerate(added)]
+    return best_nodes(tokens, parents, scores, budget)
+
+
+def ranked(logits: torch.Tensor, position: int, s: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what candidates are ranked by, the draft's log-probabilities that score a path), [vocab] each."""
+    if s.greedy:
+        logprobs = torch.log_softmax(logits.float(), -1)
         return logprobs, logprobs
+    logprobs = processed_logprobs(logits, s)
+    if s.coupled:
+        return logprobs + gumbel_noise(s.seed, (position,), logits.shape[-1], logits.device)[0], logprobs
+    return logprobs, logprobs
+
+
+def best_nodes(tokens: Sequence[int], parents: Sequence[int], scores: Sequence[float],
+               budget: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ``budget`` best-scored nodes as a block's tree (tokens, parents re-indexed; parents
+    empty for a chain). A node scores below its parent, so every chosen node's ancestors are chosen."""
+    node_depths = depths(parents)  # ties (a child as likely as its parent) keep the parent first
+    keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], node_depths[i], i))[:budget])
+    index = {old: new for new, old in enumerate(keep)}
+    chosen = [(tokens[i], ROOT if parents[i] == ROOT else index[parents[i]]) for i in keep]
+    ids, tree_parents = tuple(t for t, _ in chosen), tuple(p for _, p in chosen)
+    if all(p == i - 1 for i, p in enumerate(tree_parents)):
+        tree_parents = ()  # a chain: sent as one
+    return ids, tree_parents
 
 
 class TreeDrafter:
