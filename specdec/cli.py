@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None,
                        help="orchestrator: the model name the HTTP API serves (default: the target folder's name)")
     serve.add_argument("--no-draft-model", action="store_true", help="draft role: serve only model-free drafters")
+    serve.add_argument("--in-verifier-drafters", default="", metavar="NAMES",
+                       help="target role: drafters the verifier runs itself, comma-separated (e.g. eagle,eagle_tree,ngram): "
+                            "their sessions draft in the verifier's process, no draft worker and no hop (docs/architecture.md)")
     serve.add_argument("--max-sessions", type=int, default=256, help="draft/target: sessions open at once on this worker")
     serve.add_argument("--max-kv-tokens", type=int, default=None,
                        help="target: KV budget over all sessions, in tokens; each reserves prompt + max_new_tokens "
@@ -427,6 +430,7 @@ async def _serve(args) -> int:
                              max_session_tokens=args.max_session_tokens)
         running, _ = await roles.start_draft(config, server, registry)
     elif args.role == "target":
+        from specdec.draft.drafters import DraftConfig
         from specdec.target.engine import TargetConfig
 
         config = TargetConfig(model_path(args.target, ENV_TARGET, "target"), threads=args.threads,
@@ -434,7 +438,16 @@ async def _serve(args) -> int:
                               kv_redis_url=args.kv_redis_url, kv_block_tokens=args.kv_block_tokens,
                               kv_redis_max_tokens=args.kv_redis_max_tokens, weight_layouts=args.weight_layouts,
                               **_target_placement(args))
-        running, _ = await roles.start_target(config, server, service_token=token, registry=registry)
+        names = tuple(n.strip() for n in args.in_verifier_drafters.split(",") if n.strip())
+        in_verifier = None
+        if names:
+            target = config.model_path
+            draft = model_path(args.draft, ENV_DRAFT, "draft") if {"model", "tree"} & set(names) else None
+            in_verifier = DraftConfig(draft, target, threads=args.threads, eagle_head_path=eagle_head_path(args.eagle_head, target),
+                                      min_confidence=args.draft_min_confidence, **_draft_placement(args),
+                                      max_sessions=args.max_sessions, max_session_tokens=args.max_session_tokens)
+        running, _ = await roles.start_target(config, server, service_token=token, registry=registry,
+                                              in_verifier=in_verifier, in_verifier_drafters=names)
     else:
         from specdec.orchestrator.request import OrchestratorConfig
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specdec.core.sessions import InMemorySessionStore, SessionStore
+from specdec.core.steps import SessionRun
 from specdec.core.threads import ThreadChooser
 from specdec.draft.drafters import DraftConfig
 from specdec.draft.engine import DraftEngine
@@ -93,9 +94,15 @@ async def start_draft(config: DraftConfig, server: ServerConfig,
 
 
 async def start_target(config: TargetConfig, server: ServerConfig, loop_config: LoopConfig = LoopConfig(),
-                       service_token: str | None = None,
-                       registry: "CollectorRegistry | None" = None) -> tuple[RunningServer, LocalVerifier]:
-    """``service_token``: what the verifier shows the drafters it streams from (with ``server.tls``: mutual TLS too)."""
+                       service_token: str | None = None, registry: "CollectorRegistry | None" = None,
+                       in_verifier: DraftConfig | None = None,
+                       in_verifier_drafters: tuple[str, ...] = ()) -> tuple[RunningServer, LocalVerifier]:
+    """``service_token``: what the verifier shows the drafters it streams from (with ``server.tls``:
+    mutual TLS too). ``in_verifier``: drafters this process runs itself (in-verifier drafting): a
+    session whose drafter is one of them drafts here, taking turns with the verify forwards on one
+    model thread as in one process, with no draft worker and no hop; the others stream from draft
+    workers. ``in_verifier_drafters``: which of the drafters ``in_verifier`` can build (empty: all)."""
+    from specdec.draft.link import LocalDraftLink
     from specdec.target import servicer
     from specdec.target.draft_client import DraftChannels, RemoteDraftLink
 
@@ -109,11 +116,30 @@ async def start_target(config: TargetConfig, server: ServerConfig, loop_config: 
 
         kv_store = RedisKVStore.from_url(config.kv_redis_url, verifier_engine.layout, prefix=config.kv_prefix,
                                          max_session_tokens=config.kv_redis_max_tokens)
+    local = in_verifier_engine(in_verifier, in_verifier_drafters) if in_verifier is not None else None
     scheduler = VerifierScheduler(verifier_engine, metrics=VerifierMetrics(registry) if registry is not None else None,
-                                  kv_store=kv_store)
-    verifier = LocalVerifier(scheduler, lambda run: RemoteDraftLink(channels, run.drafter_address, run.drafter_server_name) if run.drafter_address else None,
-                             loop_config)
+                                  kv_store=kv_store, executor=local)
+
+    def link(run: SessionRun):
+        if local is not None and run.spec.drafter in local.drafters:
+            return LocalDraftLink(local)
+        return RemoteDraftLink(channels, run.drafter_address, run.drafter_server_name) if run.drafter_address else None
+
+    verifier = LocalVerifier(scheduler, link, loop_config, tuple(local.drafters) if local is not None else ())
     return await start_server(server, servicer.register(verifier), [servicer.SERVICE_NAME]), verifier
+
+
+def in_verifier_engine(config: DraftConfig, names: tuple[str, ...] = ()) -> DraftEngine:
+    """The draft engine of a verifier's own drafters: those of ``names`` (all it can build when empty)."""
+    from specdec.draft.drafters import build_drafters
+
+    built = build_drafters(config)
+    missing = sorted(set(names) - set(built))
+    if missing:
+        raise ValueError(f"in-verifier drafters {missing} cannot be built here (this configuration builds {sorted(built)}: "
+                         "a model drafter needs --draft, eagle a head for the target, --eagle-head)")
+    drafters = {name: d for name, d in built.items() if not names or name in names}
+    return DraftEngine(drafters, dataclasses.replace(config, thread_nice=0))
 
 
 @dataclass(frozen=True)
@@ -160,7 +186,9 @@ async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, s
     if drafters is None:
         await drafter.aclose()
     tokenizer = AutoTokenizer.from_pretrained(upstreams.tokenizer_path, local_files_only=True)
-    info = TargetInfo(tokenizer, status.vocab_size, status.context_length, tokenizer.eos_token_id, draft_status.drafters)
+    # The drafters of the draft workers and those the verifiers run themselves (in-verifier drafting).
+    drafter_names = tuple(dict.fromkeys((*draft_status.drafters, *status.drafters)))
+    info = TargetInfo(tokenizer, status.vocab_size, status.context_length, tokenizer.eos_token_id, drafter_names)
     from specdec.metrics import OrchestratorMetrics
 
     orch = Orchestrator(info, verifier, store, config, drafter_address=upstreams.drafter_address,

@@ -151,8 +151,38 @@ def test_the_heads_state_after_a_block_is_what_a_fresh_session_computes(eagle):
     a, b = stepwise.propose(ids, 6), fresh.propose(ids, 6)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 6
     assert stepwise.ingested_end == fresh.ingested_end == len(ids) - 1
-    torch.testing.assert_close(stepwise._cache.keys, fresh._cache.keys, atol=1e-5, rtol=1e-4)
+    length = stepwise._cache.length
+    assert length == fresh._cache.length
+    torch.testing.assert_close(stepwise._cache.keys[:, :length], fresh._cache.keys[:, :length], atol=1e-5, rtol=1e-4)
     assert stepwise.propose(ids, 6).token_ids == a.token_ids  # proposing changed nothing
+
+
+def test_the_fast_path_computes_what_the_heads_modules_compute(eagle):
+    """core/eagle_fast.py against core/eagle_head.py: a multi-row ingest, a cached step, a masked
+    tree; and the draft vocabulary leaves every other token at -inf."""
+    from specdec.core.eagle_fast import FastHead
+    from specdec.core.eagle_head import HeadCache
+    from specdec.core.tree import feed_mask, feed_positions
+
+    head, fast = eagle.head, FastHead(eagle.head)
+    gen = torch.Generator().manual_seed(0)
+    feats, tokens = torch.randn(9, head.config.hidden_size, generator=gen), torch.randint(0, 6000, (9,), generator=gen)
+    slow_cache, cache = HeadCache(), fast.new_cache()
+    with torch.no_grad():
+        want = head(feats[None, :6], tokens[None, :6], start=0, cache=slow_cache)[0]
+        torch.testing.assert_close(fast.forward(feats[:6], tokens[:6], torch.arange(6), cache), want, atol=1e-5, rtol=1e-4)
+        want = head(feats[None, 6:7], tokens[None, 6:7], start=6, cache=slow_cache)[0]
+        torch.testing.assert_close(fast.forward(feats[6:7], tokens[6:7], torch.tensor([6]), cache), want, atol=1e-5, rtol=1e-4)
+        parents = (-1, -1)
+        mask, positions = feed_mask(7, 2, parents), torch.tensor(feed_positions(7, 2, parents))
+        want = head(feats[None, 7:], tokens[None, 7:], cache=slow_cache, positions=positions, mask=mask)[0]
+        torch.testing.assert_close(fast.forward(feats[7:], tokens[7:], positions, cache, mask), want, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(fast.logits(want), head.logits(want).float())
+    assert eagle.fast.draft_vocab is not None, "the demo head ships a draft vocabulary"
+    restricted = eagle.fast.logits(want)
+    outside = torch.ones(restricted.shape[-1], dtype=torch.bool)
+    outside[eagle.fast.draft_vocab] = False
+    assert torch.isneginf(restricted[:, outside]).all() and torch.isfinite(restricted[:, ~outside]).all()
 
 
 def test_without_features_the_head_proposes_nothing_and_a_gap_restarts_it(eagle):
@@ -289,3 +319,23 @@ async def test_coupled_sampling_is_seed_exact_in_one_process_and_over_grpc(embed
         assert tuple(reply.token_ids) == plain, (prompt, drafter)
         accepted += last.counters.accepted_tokens + reply.stats.accepted_tokens
     assert accepted > 0
+
+
+async def test_the_head_inside_the_verifier_needs_no_draft_worker(redis_url):
+    """In-verifier drafting: the verifier runs eagle itself and advertises it; the draft worker
+    serves only the draft model, yet sessions asking for eagle speculate, with target-only output."""
+    c = await start_cluster(TARGET, DRAFT, redis_url, prefix=f"specdec-test-{uuid.uuid4().hex[:8]}", eagle_head=HEAD,
+                            in_verifier=("eagle", "eagle_tree"))
+    try:
+        assert "eagle" not in c.draft.drafters and set(c.orchestrator.target.drafters) >= {"model", "eagle", "eagle_tree"}
+        cases = CASES[:8]
+        replies = await asyncio.gather(*(c.stub.Generate(request(prompt, k, drafter, max_new=MAX_NEW), timeout=120)
+                                         for prompt, drafter, k in cases))
+        for (prompt, drafter, k), reply in zip(cases, replies):
+            assert tuple(reply.token_ids) == reference_greedy(prompt), (prompt, drafter, k)
+        assert sum(r.stats.accepted_tokens for r in replies) > 8 * MAX_NEW // 4
+        model = await c.stub.Generate(request(prompts(1)[0], 4, "model", max_new=MAX_NEW), timeout=120)
+        assert tuple(model.token_ids) == reference_greedy(prompts(1)[0]) and model.stats.draft_tokens > 0  # still remote
+    finally:
+        await c.stop()
+        delete_prefix(redis_url, c.store._prefix)

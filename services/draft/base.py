@@ -46,6 +46,7 @@ class DraftConfig:
     # An EAGLE head trained on the target (core/eagle_head.py): serves drafter `eagle`, which reads
     # the target's embedding and LM head from target_model_path and its features from the verifier.
     eagle_head_path: str | None = None
+    eagle_draft_vocab: bool = True  # score only the head's draft vocabulary (draft_vocab.json beside it) when it has one
     proposal_top_k: int = 32  # a model drafter samples from, and sends, its top-K renormalised distribution
     fast_draft_forward: bool = True  # lean Llama decode path (specdec.core.llama_decode) when supported
     draft_dtype: str = "float32"  # lean path's precision: float32 | bfloat16 (CPUs with native bf16 only)

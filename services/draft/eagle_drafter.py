@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import torch
 
-from specdec.core.eagle_head import EagleHead, HeadCache
+from specdec.core.eagle_fast import FastHead
+from specdec.core.eagle_head import EagleHead
 from specdec.core.features import FeatureChunk
 from specdec.core.sampling import SamplingParams
 from specdec.core.steps import DraftProposal
@@ -35,19 +38,21 @@ from specdec.draft.base import DraftConfig
 from specdec.draft.model_drafter import pick_draft_token
 from specdec.draft.tree_drafter import grow_tree
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
 
 class EagleDraftSession:
-    def __init__(self, head: EagleHead, sampling: SamplingParams, proposal_top_k: int) -> None:
+    def __init__(self, head: FastHead, sampling: SamplingParams, proposal_top_k: int) -> None:
         self._head = head
         self._sampling = sampling
         self._top_k = proposal_top_k
         # Chunks from the verifier, appended on the servicer's thread, taken on the draft thread.
         self._arriving: collections.deque[FeatureChunk] = collections.deque()
         self._features: FeatureChunk | None = None  # true features not yet ingested
-        self._cache = HeadCache()  # the head's keys and values of positions cache_start ..
+        self._cache = head.new_cache()  # the head's keys and values of positions cache_start ..
         self._cache_start = 0
         self._prediction: torch.Tensor | None = None  # f̂ after the last ingested pair [1, hidden]
-        self._param = next(head.parameters())
+        self._device = head.device
 
     def add_features(self, chunk: FeatureChunk) -> None:
         self._arriving.append(chunk)
@@ -66,7 +71,7 @@ class EagleDraftSession:
             for i in range(num_speculative_tokens if ready else 0):
                 if tokens and interrupt is not None and interrupt():
                     break
-                logits = self._head.logits(self._prediction)[0].float()  # [vocab]: token at position n + i
+                logits = self._head.logits(self._prediction)[0]  # [vocab]: token at position n + i
                 token, dist, alt, _ = pick_draft_token(logits, n + i, self._sampling, self._top_k, num_alternatives)
                 tokens.append(token)
                 if dist is not None:
@@ -100,17 +105,16 @@ class EagleDraftSession:
                     while a != ROOT:
                         mask[j, row_of[a]] = True
                         a = parents[a]
-                features = torch.cat([outputs[parents[node]] for node in added])[None]  # [1, T, hidden]
-                ids = torch.tensor([[tokens[node] for node in added]], device=self._param.device)
-                positions = torch.tensor([n - 1 + node_depths[node] for node in added], device=self._param.device)
-                with torch.inference_mode():
-                    out = self._head(features, ids, cache=self._cache, positions=positions, mask=mask.to(self._param.device))[0]
+                features = torch.cat([outputs[parents[node]] for node in added])  # [T, hidden]
+                ids = torch.tensor([tokens[node] for node in added], device=self._device)
+                positions = torch.tensor([n - 1 + node_depths[node] for node in added], device=self._device)
+                out = self._head.forward(features, ids, positions, self._cache, mask.to(self._device))
                 fed.extend(added)
                 for j, node in enumerate(added):
                     outputs[node] = out[j : j + 1]
-                return self._head.logits(out).float()
+                return self._head.logits(out)
 
-            root_logits = self._head.logits(self._prediction)[0].float()
+            root_logits = self._head.logits(self._prediction)[0]
             ids, parents = grow_tree(root_logits, n, budget, self._sampling, expand, interrupt)
         return DraftProposal(ids, None, time.perf_counter_ns() - t0, parents=parents)
 
@@ -153,7 +157,7 @@ class EagleDraftSession:
                 FeatureChunk(self._features.first_position, torch.cat([self._features.values, fresh]))
 
     def _restart(self, position: int) -> None:
-        self._cache, self._cache_start, self._prediction = HeadCache(), position, None
+        self._cache, self._cache_start, self._prediction = self._head.new_cache(), position, None
 
     def _ingest(self, committed: Sequence[int]) -> None:
         """Read every true pair (f_p, token p + 1) that ``committed`` completes, in one head forward."""
@@ -164,19 +168,17 @@ class EagleDraftSession:
         lo = f.first_position
         if hi <= lo:
             return
-        rows = f.values[: hi - lo].to(self._param)[None]  # [1, T, hidden]
-        tokens = torch.tensor([list(committed[lo + 1 : hi + 1])], device=self._param.device)
-        with torch.inference_mode():
-            predicted = self._head(rows, tokens, start=lo, cache=self._cache)  # [1, T, hidden]
-        self._prediction = predicted[:, -1]
+        rows = f.values[: hi - lo].to(device=self._device)  # [T, hidden]
+        tokens = torch.tensor(list(committed[lo + 1 : hi + 1]), device=self._device)
+        predicted = self._head.forward(rows, tokens, torch.arange(lo, hi, device=self._device), self._cache)
+        self._prediction = predicted[-1:]
         rest = f.values[hi - lo :]
         self._features = FeatureChunk(hi, rest) if rest.shape[0] else None
 
-    @torch.inference_mode()
     def _step(self, feature: torch.Tensor, token: int, position: int) -> torch.Tensor:
         """One chained position: (feature, token) at ``position`` -> the predicted next feature [1, hidden]."""
-        tokens = torch.tensor([[token]], device=self._param.device)
-        return self._head(feature[:, None], tokens, start=position, cache=self._cache)[:, 0]
+        return self._head.forward(feature, torch.tensor([token], device=self._device),
+                                  torch.tensor([position], device=self._device), self._cache)
 
 
 class EagleTreeSession:
@@ -194,13 +196,14 @@ class EagleTreeSession:
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, head: EagleHead, proposal_top_k: int) -> None:
+    def __init__(self, head: EagleHead, proposal_top_k: int, draft_vocab: torch.Tensor | None = None) -> None:
         self.head = head.eval()
+        self.fast = FastHead(self.head, draft_vocab)  # what drafting runs
         self.vocab_size = head.config.vocab_size
         self._top_k = proposal_top_k
 
     def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> EagleDraftSession:
-        return EagleDraftSession(self.head, sampling, self._top_k)  # nothing to prefill: the features come from the verifier
+        return EagleDraftSession(self.fast, sampling, self._top_k)  # nothing to prefill: the features come from the verifier
 
 
 class EagleTreeDrafter:
@@ -229,6 +232,13 @@ def build(config: DraftConfig) -> EagleDrafter | None:
     from specdec.core.eagle_head import load_target_parts
 
     parts = load_target_parts(config.target_model_path)  # its embedding and LM head only
-    head = EagleHead.load(config.eagle_head_path, parts).to(torch.device(config.draft_device))
+    device = torch.device(config.draft_device)
+    head = EagleHead.load(config.eagle_head_path, parts).to(device)
     head.requires_grad_(False)
-    return EagleDrafter(head, config.proposal_top_k)
+    vocab_file = Path(config.eagle_head_path) / DRAFT_VOCAB_FILE  # scripts/draft_vocab.py; absent: the whole vocabulary
+    draft_vocab = None
+    if config.eagle_draft_vocab and vocab_file.is_file():
+        draft_vocab = torch.tensor(json.loads(vocab_file.read_text())["token_ids"], dtype=torch.long, device=device)
+        if draft_vocab.numel() == 0 or int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= head.config.vocab_size:
+            raise ValueError(f"{vocab_file}: token ids must lie in [0, {head.config.vocab_size})")
+    return EagleDrafter(head, config.proposal_top_k, draft_vocab)

@@ -12,6 +12,7 @@ newest stream of a session is its rightful one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 from specdec.core.sessions import taken_over
@@ -23,10 +24,13 @@ _END = object()
 
 
 class LocalVerifier:
-    def __init__(self, scheduler: VerifierScheduler, link_factory: LinkFactory, config: LoopConfig = LoopConfig()) -> None:
+    def __init__(self, scheduler: VerifierScheduler, link_factory: LinkFactory, config: LoopConfig = LoopConfig(),
+                 drafters: tuple[str, ...] = ()) -> None:
+        """``drafters``: the drafters this verifier runs itself (in-verifier drafting), advertised in its status."""
         self.scheduler = scheduler
         self.link_factory = link_factory
         self.config = config
+        self.drafters = drafters
         self._streams: dict[str, tuple[asyncio.Task, asyncio.Queue]] = {}  # session id -> its running loop
 
     async def _supersede(self, session_id: str) -> None:
@@ -72,4 +76,5 @@ class LocalVerifier:
                 del self._streams[session_id]
 
     async def status(self) -> WorkerInfo:
-        return await self.scheduler.status()
+        info = await self.scheduler.status()
+        return dataclasses.replace(info, drafters=self.drafters) if self.drafters else info
