@@ -29,8 +29,17 @@ MAX_WIDTH = 1 << 16
 WIRE_DTYPE = torch.bfloat16
 
 
+# Drafters that iterate on the target's own guesses (Jacobi, lookahead): the verifier sends them its
+# likeliest token after each draft of the block it verified (`StepOutcome.row_argmax`).
+ROW_TOKEN_DRAFTERS = frozenset({"jacobi", "lookahead"})
+
+
 def needs_features(drafter: str) -> bool:
     return drafter in FEATURE_DRAFTERS
+
+
+def needs_row_tokens(drafter: str) -> bool:
+    return drafter in ROW_TOKEN_DRAFTERS
 
 
 @dataclass(frozen=True)

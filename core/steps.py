@@ -113,6 +113,11 @@ class StepOutcome:
     num_speculative_tokens: int
     overlap: bool = True
     features: FeatureChunk | None = None  # for drafters that read the target's features (core/features.py)
+    # For drafters that iterate on the target's guesses (core/features.py): the step's block
+    # (draft ids, tree parents) and the target's likeliest token after each of its drafts.
+    row_argmax: tuple[int, ...] = ()
+    verified_ids: tuple[int, ...] = ()
+    verified_parents: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"client API keys, one per line (default ${ENV_API_KEYS_FILE}; none: the client API is open)")
     up.add_argument("--tls", action="store_true",
                     help="TLS on every hop (mutual between roles) with a development CA made for this run")
+    up.add_argument("--in-verifier-drafters", default="", metavar="NAMES",
+                    help="drafters each verifier runs itself, comma-separated (e.g. eagle,eagle_tree): no hop for their sessions")
     up.add_argument("--http-port", type=int, default=None,
                     help="the OpenAI-compatible HTTP API of orchestrator i on this port + i (default: the ports after "
                          "the gRPC ones, base + 3 x replicas; -1: no HTTP API)")
@@ -540,6 +542,8 @@ def _up(args) -> int:
         common += ["--runner", placed["runner"]]
     if placed["kv_memory_fraction"] is not None:
         common += ["--kv-memory-fraction", str(placed["kv_memory_fraction"])]
+    if args.eagle_head:
+        common += ["--eagle-head", str(Path(args.eagle_head).resolve())]
     ca_file = tls_dir = None
     if args.tls:
         import tempfile
@@ -553,6 +557,10 @@ def _up(args) -> int:
         common += ["--tls-cert", str(paths["tls.crt"]), "--tls-key", str(paths["tls.key"]), "--tls-ca", ca_file]
     http_ports = up_http_ports(args.base_port, args.replicas, args.http_port)
     commands = up_commands(common, args.host, ports, args.redis_url, http_ports)
+    if args.in_verifier_drafters:
+        for name, argv in commands.items():
+            if name.startswith("target"):
+                argv += ["--in-verifier-drafters", args.in_verifier_drafters]
     procs = {name: subprocess.Popen(argv, env=env) for name, argv in commands.items()}
     orchestrators = ",".join(f"{args.host}:{p}" for p in ports["orchestrator"])
     print(f"specdec up: starting orchestrator {orchestrators}, draft {','.join(map(str, ports['draft']))}, "

@@ -7,7 +7,7 @@ drafter from here.
 from __future__ import annotations
 
 from specdec.core.errors import InvalidRequest
-from specdec.draft import eagle_drafter, model_drafter, ngram, tree_drafter
+from specdec.draft import eagle_drafter, jacobi, model_drafter, ngram, tree_drafter
 from specdec.draft.base import DraftConfig, Drafter, DrafterFactory, DraftSession  # noqa: F401 (re-exported)
 
 # name (the request's `drafter` field) -> factory; a factory returns None when the configuration
@@ -16,6 +16,8 @@ REGISTRY: dict[str, DrafterFactory] = {
     "model": model_drafter.build,
     "ngram": ngram.build,
     "eagle": eagle_drafter.build,
+    "jacobi": jacobi.build_jacobi,
+    "lookahead": jacobi.build_lookahead,
 }
 
 

@@ -64,6 +64,8 @@ class SessionSpeculator:
         apply_outcome(self.committed, outcome, self.vocab_size)
         if outcome.features is not None and hasattr(self.session, "add_features"):
             self.session.add_features(outcome.features)
+        if outcome.row_argmax and hasattr(self.session, "add_row_tokens"):
+            self.session.add_row_tokens(base, outcome.token_ids, outcome.verified_ids, outcome.verified_parents, outcome.row_argmax)
         if features_only:
             return  # more of a step's features (core/features.py): nothing to re-plan
         self.k, self.overlap = outcome.num_speculative_tokens, outcome.overlap

@@ -20,7 +20,7 @@ import torch
 from specdec.core.batch_rules import RuleStep, decide_batch
 from specdec.core.errors import InvalidRequest, Overloaded, SessionAlreadyOpen, SpecdecError, UnsupportedModel
 from specdec.core.exact_ops import ExactNumericsUnavailable
-from specdec.core.features import needs_features, to_chunks
+from specdec.core.features import needs_features, needs_row_tokens, to_chunks
 from specdec.core.kv import shared_prefixes
 from specdec.core.kv_blocks import BlockLayout, HostCopy, PendingBlock, encode_block, model_fingerprint
 from specdec.core.llama_decode import NUMERICS, PACK_ROWS, LlamaDecoder, supports
@@ -118,6 +118,9 @@ class SessionState:
     # newly paired positions' here, for the session's loop to send with its next outcome.
     wants_features: bool = False
     features_out: collections.deque = dataclasses.field(default_factory=collections.deque)
+    # Its drafter iterates on the target's guesses: the last step's (row argmax, draft ids, parents).
+    wants_row_tokens: bool = False
+    rows_out: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
 
     def feed(self, draft_ids: Sequence[int] = (), parents: tuple[int, ...] = (), prefill: bool = False) -> Feed:
         """The committed tokens the cache lacks (at least the last one, whose logits judge the first
@@ -277,7 +280,7 @@ class VerifierEngine:
                 continue
             reserving += reserve
             session = SessionState(list(spec.prompt_ids), self.runner.new_cache(), spec.sampling, reserve,
-                                   wants_features=needs_features(spec.drafter))
+                                   wants_features=needs_features(spec.drafter), wants_row_tokens=needs_row_tokens(spec.drafter))
             if stored:
                 session.valid_len = len(stored) * self.layout.block_tokens
                 self.runner.write_prefix(session.cache, torch.cat(list(stored), dim=3))
@@ -360,6 +363,7 @@ class VerifierEngine:
                      for _, s, step in checked]
             logits = torch.cat(self._forward(feeds))  # [sum(k + 1), vocab], in order
             features = self._features(len(feeds))
+            self._row_tokens(logits, checked)
             for (i, s, step), outcome, rows in zip(checked, _decide(logits, [step for _, _, step in checked]), features):
                 if isinstance(outcome, TreeOutcome):
                     self.runner.keep_path(s.cache, step.position, outcome.path)  # the path's keys where a chain's would be
@@ -375,6 +379,20 @@ class VerifierEngine:
                 results[i] = (tokens, accepted, len(s.committed))
         elapsed = time.perf_counter_ns() - t0  # each step waited for the whole batch
         return [VerifyOutcome(*r, elapsed) if isinstance(r, tuple) else r for r in results]
+
+    @staticmethod
+    def _row_tokens(logits: torch.Tensor, checked: list) -> None:
+        """For sessions whose drafter iterates on the target's guesses: the argmax of each draft's row
+        (after row 0, the last committed token's), with the block it belongs to."""
+        first = 0
+        for _, s, step in checked:
+            tree = step.tree if isinstance(step, TreeStep) else None
+            rows = len(tree) + 1 if tree is not None else step.k + 1
+            if s.wants_row_tokens:
+                ids = tuple(tree.token_ids) if tree is not None else tuple(step.draft_ids)
+                parents = tuple(tree.parents) if tree is not None else ()
+                s.rows_out = (tuple(logits[first + 1 : first + rows].argmax(-1).tolist()), ids, parents)
+            first += rows
 
     def _features(self, count: int) -> list[torch.Tensor | None]:
         """The last forward's features per feed (None where none were asked or the runner has none)."""

@@ -116,9 +116,12 @@ class VerifierLoop:
         chunks = list(state.features_out) if state is not None else []
         if chunks:
             state.features_out.clear()  # (sent or, with the link down, dropped: a new link starts without them)
+        rows = state.rows_out if state is not None else None
+        if rows is not None:
+            state.rows_out = None
         if self.link is not None and self.link.up:
             n, k, overlap = len(self.committed), self.plan.k, self.plan.overlap
-            self.link.send(StepOutcome(n, token_ids, k, overlap, chunks[0] if chunks else None))
+            self.link.send(StepOutcome(n, token_ids, k, overlap, chunks[0] if chunks else None, *(rows or ())))
             for chunk in chunks[1:]:
                 self.link.send(StepOutcome(n, (), k, overlap, chunk))
 

@@ -110,7 +110,8 @@ def block_from_pb(pb: drafter_pb2.DraftBlock) -> DraftBlock:
 
 def outcome_to_pb(o: StepOutcome) -> drafter_pb2.SpeculateRequest:
     pb = drafter_pb2.StepOutcome(committed_len=o.committed_len, token_ids=o.token_ids,
-                                 num_speculative_tokens=o.num_speculative_tokens, overlap=o.overlap)
+                                 num_speculative_tokens=o.num_speculative_tokens, overlap=o.overlap,
+                                 row_argmax=o.row_argmax, verified_ids=o.verified_ids, verified_parents=o.verified_parents)
     if o.features is not None:
         first, width, data = features.encode(o.features)
         pb.features.CopyFrom(drafter_pb2.FeatureChunk(first_position=first, width=width, bfloat16=data))
@@ -124,7 +125,11 @@ def outcome_from_pb(pb: drafter_pb2.StepOutcome) -> StepOutcome:
         chunk = features.decode(f.first_position, f.width, f.bfloat16)
         if chunk.end > pb.committed_len:
             raise InvalidRequest(f"features reach position {chunk.end - 1}, past the {pb.committed_len} committed tokens")
-    return StepOutcome(pb.committed_len, tuple(pb.token_ids), pb.num_speculative_tokens, pb.overlap, chunk)
+    rows, ids, parents = tuple(pb.row_argmax), tuple(pb.verified_ids), tuple(pb.verified_parents)
+    if len(rows) >= MAX_STEP_TOKENS or len(ids) != len(rows) or (parents and len(parents) != len(ids)):
+        raise InvalidRequest(f"row_argmax ({len(rows)}) and verified_ids ({len(ids)}) must be of one length below "
+                             f"{MAX_STEP_TOKENS}, verified_parents empty or as long ({len(parents)})")
+    return StepOutcome(pb.committed_len, tuple(pb.token_ids), pb.num_speculative_tokens, pb.overlap, chunk, rows, ids, parents)
 
 
 MAX_DNS_NAME_CHARS = 253

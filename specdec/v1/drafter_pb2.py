@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"v\n\x10SpeculateRequest\x12.\n\x04open\x18\x01 \x01(\x0b\x32\x1e.specdec.v1.OpenSessionRequestH\x00\x12*\n\x07outcome\x18\x02 \x01(\x0b\x32\x17.specdec.v1.StepOutcomeH\x00\x42\x06\n\x04kind\"\x94\x01\n\x0bStepOutcome\x12\x15\n\rcommitted_len\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x0f\n\x07overlap\x18\x04 \x01(\x08\x12*\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x18.specdec.v1.FeatureChunk\"G\n\x0c\x46\x65\x61tureChunk\x12\x16\n\x0e\x66irst_position\x18\x01 \x01(\r\x12\r\n\x05width\x18\x02 \x01(\r\x12\x10\n\x08\x62\x66loat16\x18\x03 \x01(\x0c\"\xb9\x01\n\nDraftBlock\x12\x12\n\nanchor_len\x18\x01 \x01(\r\x12\x13\n\x0b\x61ssumed_ids\x18\x02 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12:\n\x13\x64raft_distributions\x18\x04 \x03(\x0b\x32\x1d.specdec.v1.DraftDistribution\x12\x15\n\rdraft_time_ns\x18\x05 \x01(\x04\x12\x16\n\x0eparent_indices\x18\x06 \x03(\x05\x32\x9e\x01\n\x07\x44rafter\x12\x45\n\tSpeculate\x12\x1c.specdec.v1.SpeculateRequest\x1a\x16.specdec.v1.DraftBlock(\x01\x30\x01\x12L\n\x0fGetWorkerStatus\x12\x1f.specdec.v1.WorkerStatusRequest\x1a\x18.specdec.v1.WorkerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"v\n\x10SpeculateRequest\x12.\n\x04open\x18\x01 \x01(\x0b\x32\x1e.specdec.v1.OpenSessionRequestH\x00\x12*\n\x07outcome\x18\x02 \x01(\x0b\x32\x17.specdec.v1.StepOutcomeH\x00\x42\x06\n\x04kind\"\xd8\x01\n\x0bStepOutcome\x12\x15\n\rcommitted_len\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x0f\n\x07overlap\x18\x04 \x01(\x08\x12*\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x18.specdec.v1.FeatureChunk\x12\x12\n\nrow_argmax\x18\x06 \x03(\x05\x12\x14\n\x0cverified_ids\x18\x07 \x03(\x05\x12\x18\n\x10verified_parents\x18\x08 \x03(\x05\"G\n\x0c\x46\x65\x61tureChunk\x12\x16\n\x0e\x66irst_position\x18\x01 \x01(\r\x12\r\n\x05width\x18\x02 \x01(\r\x12\x10\n\x08\x62\x66loat16\x18\x03 \x01(\x0c\"\xb9\x01\n\nDraftBlock\x12\x12\n\nanchor_len\x18\x01 \x01(\r\x12\x13\n\x0b\x61ssumed_ids\x18\x02 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12:\n\x13\x64raft_distributions\x18\x04 \x03(\x0b\x32\x1d.specdec.v1.DraftDistribution\x12\x15\n\rdraft_time_ns\x18\x05 \x01(\x04\x12\x16\n\x0eparent_indices\x18\x06 \x03(\x05\x32\x9e\x01\n\x07\x44rafter\x12\x45\n\tSpeculate\x12\x1c.specdec.v1.SpeculateRequest\x1a\x16.specdec.v1.DraftBlock(\x01\x30\x01\x12L\n\x0fGetWorkerStatus\x12\x1f.specdec.v1.WorkerStatusRequest\x1a\x18.specdec.v1.WorkerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATEREQUEST']._serialized_start=65
   _globals['_SPECULATEREQUEST']._serialized_end=183
   _globals['_STEPOUTCOME']._serialized_start=186
-  _globals['_STEPOUTCOME']._serialized_end=334
-  _globals['_FEATURECHUNK']._serialized_start=336
-  _globals['_FEATURECHUNK']._serialized_end=407
-  _globals['_DRAFTBLOCK']._serialized_start=410
-  _globals['_DRAFTBLOCK']._serialized_end=595
-  _globals['_DRAFTER']._serialized_start=598
-  _globals['_DRAFTER']._serialized_end=756
+  _globals['_STEPOUTCOME']._serialized_end=402
+  _globals['_FEATURECHUNK']._serialized_start=404
+  _globals['_FEATURECHUNK']._serialized_end=475
+  _globals['_DRAFTBLOCK']._serialized_start=478
+  _globals['_DRAFTBLOCK']._serialized_end=663
+  _globals['_DRAFTER']._serialized_start=666
+  _globals['_DRAFTER']._serialized_end=824
 # @@protoc_insertion_point(module_scope)

@@ -16,18 +16,24 @@ class SpeculateRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[_common_pb2.OpenSessionRequest, _Mapping]] = ..., outcome: _Optional[_Union[StepOutcome, _Mapping]] = ...) -> None: ...
 
 class StepOutcome(_message.Message):
-    __slots__ = ("committed_len", "token_ids", "num_speculative_tokens", "overlap", "features")
+    __slots__ = ("committed_len", "token_ids", "num_speculative_tokens", "overlap", "features", "row_argmax", "verified_ids", "verified_parents")
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    ROW_ARGMAX_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_IDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_PARENTS_FIELD_NUMBER: _ClassVar[int]
     committed_len: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_speculative_tokens: int
     overlap: bool
     features: FeatureChunk
-    def __init__(self, committed_len: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., overlap: _Optional[bool] = ..., features: _Optional[_Union[FeatureChunk, _Mapping]] = ...) -> None: ...
+    row_argmax: _containers.RepeatedScalarFieldContainer[int]
+    verified_ids: _containers.RepeatedScalarFieldContainer[int]
+    verified_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, committed_len: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., overlap: _Optional[bool] = ..., features: _Optional[_Union[FeatureChunk, _Mapping]] = ..., row_argmax: _Optional[_Iterable[int]] = ..., verified_ids: _Optional[_Iterable[int]] = ..., verified_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FeatureChunk(_message.Message):
     __slots__ = ("first_position", "width", "bfloat16")

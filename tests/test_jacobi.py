@@ -1,0 +1,125 @@
+"""Drafters ``jacobi`` and ``lookahead`` (services/draft/jacobi.py): the target's row guesses as the
+next Jacobi iterate, an n-gram pool, and the token tree of both; lossless in one process and over gRPC."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specdec import roles
+from specdec.core.sampling import SamplingParams, VerificationRule
+from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+from specdec.core.steps import StepOutcome
+from specdec.core.tree import DraftTree
+from specdec.draft.drafters import DraftConfig
+from specdec.draft.jacobi import JacobiSession, LookaheadSession, NgramPool, _Trie
+from specdec.orchestrator.loop import collect
+from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
+from specdec.rpc import wire
+from specdec.target.engine import TargetConfig
+
+from cluster import PATIENT
+from test_e2e import MAX_NEW, prompts, reference_greedy, request
+
+# (drafter, k): Jacobi windows of 3 and 5; lookahead trees of 6 and 12 nodes
+SETTINGS = (("jacobi", 3), ("jacobi", 5), ("lookahead", 6), ("lookahead", 12))
+
+
+def test_a_chain_blocks_rows_past_the_accepted_prefix_are_the_next_guesses():
+    session = JacobiSession()
+    # Block (7, 8, 9, 10) verified after 10 committed tokens: two accepted, then the target's 50. Row j
+    # is the target's guess after draft j, for position 10 + j + 1.
+    session.add_row_tokens(10, (7, 8, 50), (7, 8, 9, 10), (), (8, 50, 61, 62))
+    committed = list(range(10)) + [7, 8, 50]
+    assert session.propose(committed, 2).token_ids == (61, 62)  # rows 2 and 3: positions 13 and 14
+    assert session.propose(committed + [61], 1).token_ids == (62,)  # a pre-draft that assumed the first guess
+    assert session.propose(list(range(5)), 3).token_ids == (4, 4, 4)  # another sequence: padding only
+
+
+def test_the_trie_merges_prefixes_and_keeps_its_budget():
+    trie = _Trie()
+    assert trie.add((1, 2, 3), 5) == [0, 1, 2]
+    assert trie.add((1, 2, 4), 5) == [0, 1, 3]  # shares two nodes
+    assert trie.add((5, 6), 5) is None  # three nodes past a budget of five: nothing added
+    assert trie.add((5,), 5) == [4]
+    tree = DraftTree(tuple(trie.tokens), tuple(trie.parents))  # valid: parents first, siblings distinct
+    assert tree.children[-1] == (0, 4)
+
+
+def test_the_pool_keeps_the_newest_continuations_per_token():
+    pool = NgramPool(3, 2)
+    pool.add_sequence([1, 2, 3, 1, 4, 5, 1, 6, 7])
+    assert pool.after(1) == [(6, 7), (4, 5)]  # (2, 3) was the oldest of three
+    pool.add(1, (2, 3))
+    assert pool.after(1) == [(2, 3), (6, 7)]
+
+
+def test_lookahead_verifies_pooled_ngrams_and_iterates_its_window_in_one_tree():
+    session = LookaheadSession(window=3, ngram=3, candidates=2)
+    committed = [5, 6, 7, 9, 9, 5, 6, 8, 9, 5]  # after 5 came (6, 7) and (6, 8)
+    proposal = session.propose(committed, 12)
+    tree = proposal.tree
+    paths = {tuple(proposal.token_ids[j] for j in tree.path_to(leaf)) for leaf in range(len(tree)) if leaf not in tree.children}
+    assert {(6, 8), (6, 7)} <= {p[:2] for p in paths}  # the verification branch, newest first
+    window = proposal.token_ids[:3]
+    # The target accepts nothing and guesses 40, 41, 42 after the window's tokens.
+    rows = [0] * len(proposal.token_ids)
+    for j, guess in enumerate((40, 41, 42)):
+        rows[j] = guess
+    session.add_row_tokens(10, (6,), proposal.token_ids, proposal.parents, tuple(rows))
+    assert session.propose(committed + [6], 3).token_ids == (40, 41, 42)  # the iterate: positions 11, 12, 13
+    assert (window[1], 41) in session.pool.after(window[0])  # a trajectory became an n-gram
+
+
+def test_row_tokens_cross_the_wire_and_bad_ones_are_refused():
+    out = StepOutcome(12, (3, 4), 2, True, None, (4, 9, 9), (3, 5, 6), ())
+    pb = wire.outcome_to_pb(out).outcome
+    assert wire.outcome_from_pb(pb) == out
+    pb.verified_ids.append(1)
+    with pytest.raises(Exception, match="one length"):
+        wire.outcome_from_pb(pb)
+
+
+def policy(k: int) -> SpeculationPolicy:
+    return SpeculationPolicy(SpeculationMode.FIXED, k, max(k, 8))
+
+
+@pytest.fixture(scope="module")
+def embedded(tiny_pair):
+    target, draft = tiny_pair
+    return roles.embedded(TargetConfig(target), DraftConfig(draft, target), OrchestratorConfig(), loop_config=PATIENT)
+
+
+CASES = [(p, *SETTINGS[i % len(SETTINGS)]) for i, p in enumerate(prompts(20))] + \
+        [(p, *SETTINGS[(i + 2) % len(SETTINGS)]) for i, p in enumerate(prompts(20))]  # every prompt under both drafters
+
+
+async def test_greedy_equals_target_only_in_one_process_and_over_grpc(tiny_pair, embedded, cluster):
+    target, _ = tiny_pair
+    tok = embedded.target.tokenizer
+
+    def local(prompt, drafter, k):
+        return collect(embedded.generate(GenerationRequest(prompt_ids=tuple(tok(prompt)["input_ids"]), max_new_tokens=MAX_NEW,
+                                                           drafter=drafter, policy=policy(k))))
+    here = await asyncio.gather(*(local(*case) for case in CASES))
+    there = await asyncio.gather(*(cluster.stub.Generate(request(p, k, d), timeout=120) for p, d, k in CASES))
+    accepted = 0
+    for (prompt, drafter, k), (last, out, _), reply in zip(CASES, here, there):
+        expected = reference_greedy(target, prompt, MAX_NEW)
+        assert out == expected and tuple(reply.token_ids) == expected, (prompt, drafter, k)
+        accepted += last.counters.accepted_tokens + reply.stats.accepted_tokens
+    assert accepted > 0, "no guess was ever accepted: the test would not test speculation"
+
+
+async def test_coupled_sampling_is_seed_exact(embedded, cluster):
+    tok = embedded.target.tokenizer
+    for i, prompt in enumerate(prompts(6)):
+        drafter, k = SETTINGS[i % len(SETTINGS)]
+        params = SamplingParams(seed=7 + i, temperature=0.9, rule=VerificationRule.COUPLED)
+
+        def one(d: str, kk: int):
+            return collect(embedded.generate(GenerationRequest(prompt_ids=tuple(tok(prompt)["input_ids"]), max_new_tokens=MAX_NEW,
+                                                               drafter=d, policy=policy(kk), sampling=params, seed_given=True)))
+        (_, plain, _), (_, spec, _) = await asyncio.gather(one("ngram", 0), one(drafter, k))
+        reply = await cluster.stub.Generate(request(prompt, k, drafter, temperature=0.9, seed=7 + i), timeout=120)
+        assert spec == plain and tuple(reply.token_ids) == plain, (prompt, drafter, k)
