@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEMO, held_out_prompts, write_result  # noqa: E402
 
 DRAFTERS = ("model", "tree", "eagle", "eagle_tree", "eagle_full_vocab")
+OTHERS = ("ngram", "jacobi", "lookahead")  # the model-free drafters, for the families' table (--drafters)
 
 
 def decode(engine, drafter, name: str, prompt_ids: list[int], k: int, new_tokens: int) -> dict:
@@ -60,11 +61,15 @@ def decode(engine, drafter, name: str, prompt_ids: list[int], k: int, new_tokens
     committed, accepted = list(prompt_ids), []
     while len(committed) - len(prompt_ids) < new_tokens:
         proposal = session.propose(committed, k)
+        base = len(committed)
         outcome = engine.verify(sid, proposal)
         accepted.append(outcome.num_accepted)
         committed.extend(outcome.token_ids)
         if state.wants_features:
             hand_over(session, state)
+        if state.rows_out is not None:  # jacobi, lookahead: the target's guesses after each draft
+            session.add_row_tokens(base, outcome.token_ids, state.rows_out[1], state.rows_out[2], state.rows_out[0])
+            state.rows_out = None
     seconds = time.perf_counter() - t0
     engine.close(sid)
     return {"out": committed[len(prompt_ids):len(prompt_ids) + new_tokens], "accepted": accepted, "seconds": seconds,
@@ -77,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--budgets", default="3,7,15", help="k: draft tokens (chain) or nodes (tree) per step")
     ap.add_argument("--rounds", type=int, default=2, help="alternated timing rounds")
+    ap.add_argument("--drafters", default=",".join(DRAFTERS),
+                    help=f"comma-separated, from {', '.join(DRAFTERS + OTHERS)} (the first is the reference)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "eagle")
+    ap.add_argument("--result", default="eagle.json", help="the result file's name under --out")
     args = ap.parse_args(argv)
 
     from specdec.draft.drafters import DraftConfig, build_drafters
@@ -92,12 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     tok = engine.loaded.tokenizer
     prompts = [tok(p)["input_ids"] for p in held_out_prompts(args.prompts)]
     budgets = [int(b) for b in args.budgets.split(",")]
+    names = tuple(args.drafters.split(","))
     rows = []
     for k in budgets:
-        stats = {name: {"accepted": [], "seconds": [], "tokens": 0, "wire_bytes": [], "wire_ns": []} for name in DRAFTERS}
-        outputs: dict[str, list[list[int]]] = {name: [] for name in DRAFTERS}
+        stats = {name: {"accepted": [], "seconds": [], "tokens": 0, "wire_bytes": [], "wire_ns": []} for name in names}
+        outputs: dict[str, list[list[int]]] = {name: [] for name in names}
         for r in range(args.rounds):
-            order = DRAFTERS if r % 2 == 0 else DRAFTERS[::-1]
+            order = names if r % 2 == 0 else names[::-1]
             for name in order:
                 seconds = 0.0
                 for p in prompts:
@@ -110,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                         stats[name]["wire_bytes"] += result["wire_bytes"]
                         stats[name]["wire_ns"] += result["wire_ns"]
                 stats[name]["seconds"].append(seconds)
-        for name in DRAFTERS:
-            assert outputs[name] == outputs["model"], f"greedy outputs differ: {name} against model"
+        for name in names:
+            assert outputs[name] == outputs[names[0]], f"greedy outputs differ: {name} against {names[0]}"
         for name, st in stats.items():
             steps = len(st["accepted"])
             row = {"drafter": name, "k": k, "verified_rows": k + 1, "mean_accepted": round(statistics.mean(st["accepted"]), 3),
@@ -123,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
     for k in budgets:
         by = {r["drafter"]: r for r in rows if r["k"] == k}
-        for name in DRAFTERS[1:]:
-            by[name]["accepted_vs_model"] = round(by[name]["mean_accepted"] / by["model"]["mean_accepted"], 3)
-            by[name]["tokens_per_s_vs_model"] = round(by[name]["tokens_per_s"] / by["model"]["tokens_per_s"], 3)
-    write_result(args.out / "eagle.json", prompts=args.prompts, new_tokens=args.new_tokens, rows=rows)
+        for name in names[1:]:
+            by[name]["accepted_vs_model"] = round(by[name]["mean_accepted"] / by[names[0]]["mean_accepted"], 3)
+            by[name]["tokens_per_s_vs_model"] = round(by[name]["tokens_per_s"] / by[names[0]]["tokens_per_s"], 3)
+    write_result(args.out / args.result, prompts=args.prompts, new_tokens=args.new_tokens, rows=rows)
     print("| drafter | rows verified | mean accepted | tokens/step | tokens/s | accepted vs model | tokens/s vs model | feature bytes/step | wire µs/step |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -128,6 +128,8 @@ class SessionSpeculator:
                 proposal = DraftProposal(proposal.token_ids[1:], None if proposal.distributions is None else proposal.distributions[1:],
                                          proposal.draft_time_ns, proposal.alternatives[1:])
             block = DraftBlock(work.anchor_len, assumed, proposal.truncated(self.k) if self.k else proposal)
+            if predraft is not JUST_IN_TIME and not block.proposal.token_ids:
+                continue  # a pre-draft cut short before its first draft: the verifier would take it for a step without one
             if not could_continue(block, self.committed):
                 continue  # an outcome arrived meanwhile and ruled this block out
             self.emit(block)
