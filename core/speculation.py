@@ -280,3 +280,51 @@ class SpeculationController:
         rates = [expected_tokens(alpha, k) / cost(k) for k in range(self.policy.max_speculative_tokens + 1)]
         k = max(range(len(rates)), key=rates.__getitem__)  # the smallest k of the best rate
         return k, rates[k]
+
+
+# Drafters whose blocks are token trees of k nodes: their accepted length is not the chain's
+# E(alpha, k), so their adaptive budget is chosen by `TreeBudgetController`.
+TREE_DRAFTERS = frozenset({"tree", "eagle_tree", "lookahead"})
+
+
+class TreeBudgetController(SpeculationController):
+    """The adaptive node budget of a tree drafter, from measurements: each budget of a ladder
+    (0, 1, 3, 7, 15, ... up to the maximum, and the starting one) keeps the tokens its steps
+    committed (an exponential mean), and the budget with the most tokens per second under the
+    request's measured step costs is chosen. A budget not yet measured is priced at the chain's
+    E(alpha, k) times the gain trees showed at the nearest measured budget (measured tokens over
+    E(alpha, k) there), so a tree that beats a chain is expected to go on beating it and larger
+    budgets get tried."""
+
+    def __init__(self, policy: SpeculationPolicy, **kwargs) -> None:
+        super().__init__(policy, **kwargs)
+        top = policy.max_speculative_tokens
+        self.ladder = sorted({0, top, policy.num_speculative_tokens} | {2 ** i - 1 for i in range(1, 7) if 2 ** i - 1 <= top})
+        self._tokens: dict[int, _Ema] = {}
+
+    def observe(self, num_drafted: int, num_accepted: int, timing: StepTiming | None = None) -> None:
+        if num_drafted > 0 and self.policy.mode is SpeculationMode.ADAPTIVE:
+            self._tokens.setdefault(num_drafted, _Ema(0.2)).add(num_accepted + 1.0)
+        super().observe(num_drafted, num_accepted, timing)
+
+    def tokens_per_step(self, k: int) -> float:
+        """Measured tokens a step of budget k commits, or the estimate for a budget not yet measured."""
+        if k == 0:
+            return 1.0
+        if k in self._tokens:
+            return self._tokens[k].get(1.0)
+        chain = expected_tokens(self.alpha, k)
+        if not self._tokens:
+            return chain
+        near = min(self._tokens, key=lambda m: abs(m - k))
+        return chain * self._tokens[near].get(1.0) / expected_tokens(self.alpha, near)
+
+    def _best_k(self, costs: StepCostModel) -> tuple[int, float]:
+        if costs.steps == 0:
+            c = self.policy.draft_cost_ratio
+            cost = lambda k: 1.0 + c * k  # noqa: E731
+        else:
+            cost = costs.seconds
+        rates = {k: self.tokens_per_step(k) / cost(k) for k in self.ladder}
+        k = max(self.ladder, key=lambda b: (rates[b], -b))  # the smallest budget of the best rate
+        return k, rates[k]

@@ -328,6 +328,14 @@ equal to the target's greedy g_2..g_{{k+1}}; tokens per verification is one more
 
 At k = {ks[-1]} the head {'beats' if beats else 'does **not** beat'} the draft model's accepted length
 (issue 31's bar{'' if beats else '; not met within this training budget'}).
+
+## Draft vocabulary
+
+`draft_vocab.json`, when present (written by `scripts/draft_vocab.py`, not by this script): the
+most frequent tokens of the training stream, with their coverage of it and of the held-out files.
+The `eagle` drafters then score only those rows of the target's LM head (EAGLE-3's reduced draft
+vocabulary): a draft token reads a third of the bytes, and a token outside it is never proposed
+(acceptance and tokens/s with and without it: docs/performance.md, 12.2).
 """
     (out / "README.md").write_text(text)
 

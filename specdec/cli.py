@@ -93,6 +93,11 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
         p.add_argument("--eagle-head", default=None, metavar="PATH",
                        help="an EAGLE head trained on the target, for --drafter eagle (default $SPECDEC_EAGLE_HEAD, "
                             "or models/demo/eagle with the demo target)")
+        p.add_argument("--lookahead-window", type=int, default=4, metavar="W",
+                       help="drafter lookahead: Jacobi guesses in its lookahead branch (default 4)")
+        p.add_argument("--lookahead-ngram", type=int, default=3, metavar="N", help="drafter lookahead: n-gram size (default 3)")
+        p.add_argument("--lookahead-candidates", type=int, default=4, metavar="G",
+                       help="drafter lookahead: pooled n-grams verified per step (default 4)")
         p.add_argument("--draft-min-confidence", type=probability_below_one, default=0.0, metavar="P",
                        help="end a draft block after a token the draft gives less than P probability (default 0: "
                             "blocks of k; k is then an upper bound; never changes the output)")
@@ -233,6 +238,15 @@ def _draft_placement(args) -> dict:
     return draft_placement(args.draft_device, args.draft_dtype)
 
 
+def _lookahead(args) -> dict:
+    """--lookahead-window, --lookahead-ngram and --lookahead-candidates as DraftConfig fields."""
+    if args.lookahead_window < 1 or args.lookahead_ngram < 2 or args.lookahead_candidates < 0:
+        raise UsageError(f"lookahead needs --lookahead-window >= 1, --lookahead-ngram >= 2, --lookahead-candidates >= 0; "
+                         f"got {args.lookahead_window}, {args.lookahead_ngram}, {args.lookahead_candidates}")
+    return {"lookahead_window": args.lookahead_window, "lookahead_ngram": args.lookahead_ngram,
+            "lookahead_candidates": args.lookahead_candidates}
+
+
 def resolve_rule(args) -> str:
     """The --rule flag, else the server's default (coupled)."""
     return args.rule or "coupled"
@@ -314,7 +328,7 @@ async def _generate_embedded(args) -> int:
     threads = args.threads
     orch = roles.embedded(TargetConfig(target, threads=threads, weight_layouts=args.weight_layouts, **_target_placement(args)),
                           DraftConfig(draft, target, threads=threads, fast_draft_forward=not args.reference_forward,
-                                      min_confidence=args.draft_min_confidence, eagle_head_path=eagle_head_path(args.eagle_head, target),
+                                      min_confidence=args.draft_min_confidence, eagle_head_path=eagle_head_path(args.eagle_head, target), **_lookahead(args),
                                       **_draft_placement(args)),
                           OrchestratorConfig(default_drafter=args.drafter))
     t0 = time.perf_counter()
@@ -428,7 +442,7 @@ async def _serve(args) -> int:
                                      "--draft-dtype" if args.draft_dtype or not args.dtype else "--dtype"))
         config = DraftConfig(draft, target, threads=args.threads, fast_draft_forward=not args.reference_forward,
                              min_confidence=args.draft_min_confidence, **placement,
-                             eagle_head_path=eagle_head_path(args.eagle_head, target), max_sessions=args.max_sessions,
+                             eagle_head_path=eagle_head_path(args.eagle_head, target), **_lookahead(args), max_sessions=args.max_sessions,
                              max_session_tokens=args.max_session_tokens)
         running, _ = await roles.start_draft(config, server, registry)
     elif args.role == "target":
@@ -445,7 +459,7 @@ async def _serve(args) -> int:
         if names:
             target = config.model_path
             draft = model_path(args.draft, ENV_DRAFT, "draft") if {"model", "tree"} & set(names) else None
-            in_verifier = DraftConfig(draft, target, threads=args.threads, eagle_head_path=eagle_head_path(args.eagle_head, target),
+            in_verifier = DraftConfig(draft, target, threads=args.threads, eagle_head_path=eagle_head_path(args.eagle_head, target), **_lookahead(args),
                                       min_confidence=args.draft_min_confidence, **_draft_placement(args),
                                       max_sessions=args.max_sessions, max_session_tokens=args.max_session_tokens)
         running, _ = await roles.start_target(config, server, service_token=token, registry=registry,
@@ -544,6 +558,8 @@ def _up(args) -> int:
         common += ["--kv-memory-fraction", str(placed["kv_memory_fraction"])]
     if args.eagle_head:
         common += ["--eagle-head", str(Path(args.eagle_head).resolve())]
+    for field, value in _lookahead(args).items():
+        common += [f"--{field.replace('_', '-')}", str(value)]
     ca_file = tls_dir = None
     if args.tls:
         import tempfile

@@ -21,8 +21,8 @@ from specdec.target.engine import TargetConfig
 from cluster import PATIENT
 from test_e2e import MAX_NEW, prompts, reference_greedy, request
 
-# (drafter, k): Jacobi windows of 3 and 5; lookahead trees of 6 and 12 nodes
-SETTINGS = (("jacobi", 3), ("jacobi", 5), ("lookahead", 6), ("lookahead", 12))
+# (drafter, k): Jacobi windows of 3 and 5; lookahead trees of 6 and 12 nodes, and adaptive budgets
+SETTINGS = (("jacobi", 3), ("jacobi", 5), ("lookahead", 6), ("lookahead", 12), ("lookahead", None))
 
 
 def test_a_chain_blocks_rows_past_the_accepted_prefix_are_the_next_guesses():
@@ -54,21 +54,25 @@ def test_the_pool_keeps_the_newest_continuations_per_token():
     assert pool.after(1) == [(2, 3), (6, 7)]
 
 
+def root_paths(proposal) -> set[tuple[int, ...]]:
+    tree = proposal.tree
+    return {tuple(proposal.token_ids[j] for j in tree.path_to(leaf)) for leaf in range(len(tree)) if leaf not in tree.children}
+
+
 def test_lookahead_verifies_pooled_ngrams_and_iterates_its_window_in_one_tree():
     session = LookaheadSession(window=3, ngram=3, candidates=2)
     committed = [5, 6, 7, 9, 9, 5, 6, 8, 9, 5]  # after 5 came (6, 7) and (6, 8)
     proposal = session.propose(committed, 12)
-    tree = proposal.tree
-    paths = {tuple(proposal.token_ids[j] for j in tree.path_to(leaf)) for leaf in range(len(tree)) if leaf not in tree.children}
-    assert {(6, 8), (6, 7)} <= {p[:2] for p in paths}  # the verification branch, newest first
-    window = proposal.token_ids[:3]
-    # The target accepts nothing and guesses 40, 41, 42 after the window's tokens.
-    rows = [0] * len(proposal.token_ids)
-    for j, guess in enumerate((40, 41, 42)):
-        rows[j] = guess
-    session.add_row_tokens(10, (6,), proposal.token_ids, proposal.parents, tuple(rows))
-    assert session.propose(committed + [6], 3).token_ids == (40, 41, 42)  # the iterate: positions 11, 12, 13
-    assert (window[1], 41) in session.pool.after(window[0])  # a trajectory became an n-gram
+    paths = root_paths(proposal)
+    assert {(6, 8, 9), (6, 7)} <= paths  # the verification branch (6, 8), (6, 7), and the window (6, 8, 9) by lookup
+    # The target accepts nothing and guesses 100 + t after each node of token t.
+    rows = tuple(100 + t for t in proposal.token_ids)
+    session.add_row_tokens(10, (6,), proposal.token_ids, proposal.parents, rows)
+    assert (session._window, session._base) == ([106, 108, 109], 11)  # the iterate, for positions 11, 12, 13
+    assert (106, 108, 109) in root_paths(session.propose(committed + [6], 12))
+    assert (8, 108) in session.pool.after(6)  # a trajectory became an n-gram
+    small = session.propose(committed + [6], 2)
+    assert len(small.token_ids) == 2  # a small budget: the verification branch first
 
 
 def test_row_tokens_cross_the_wire_and_bad_ones_are_refused():
@@ -80,8 +84,9 @@ def test_row_tokens_cross_the_wire_and_bad_ones_are_refused():
         wire.outcome_from_pb(pb)
 
 
-def policy(k: int) -> SpeculationPolicy:
-    return SpeculationPolicy(SpeculationMode.FIXED, k, max(k, 8))
+def policy(k: int | None) -> SpeculationPolicy:
+    """None: adaptive (a tree drafter's budget chosen by measurement, core/speculation.py)."""
+    return SpeculationPolicy(max_speculative_tokens=15) if k is None else SpeculationPolicy(SpeculationMode.FIXED, k, max(k, 8))
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +95,9 @@ def embedded(tiny_pair):
     return roles.embedded(TargetConfig(target), DraftConfig(draft, target), OrchestratorConfig(), loop_config=PATIENT)
 
 
-CASES = [(p, *SETTINGS[i % len(SETTINGS)]) for i, p in enumerate(prompts(20))] + \
-        [(p, *SETTINGS[(i + 2) % len(SETTINGS)]) for i, p in enumerate(prompts(20))]  # every prompt under both drafters
+JACOBI, LOOKAHEAD = SETTINGS[:2], SETTINGS[2:]
+CASES = [(p, *JACOBI[i % 2]) for i, p in enumerate(prompts(20))] + \
+        [(p, *LOOKAHEAD[i % 3]) for i, p in enumerate(prompts(20))]  # every prompt under both drafters
 
 
 async def test_greedy_equals_target_only_in_one_process_and_over_grpc(tiny_pair, embedded, cluster):

@@ -274,3 +274,40 @@ def test_a_blocks_fixed_drafting_cost_is_not_charged_to_each_of_its_tokens():
     runs = [rate(lambda c: c.next_k(), seed=s) for s in range(3)]
     assert statistics.fmean(r for r, _ in runs) >= 0.95 * best_fixed
     assert statistics.median(k for _, ks in runs for k in ks[100:]) >= 2
+
+
+class _Costs:
+    """A step cost model whose seconds are a given line in k (the controller's measured costs)."""
+
+    def __init__(self, per_token: float) -> None:
+        self.steps, self.per_token = 1, per_token
+
+    def seconds(self, k: int) -> float:
+        return 1.0 + self.per_token * k
+
+
+def test_a_tree_budget_follows_measured_tokens_per_step_and_costs():
+    from specdec.core.speculation import TreeBudgetController
+
+    c = TreeBudgetController(SpeculationPolicy(SpeculationMode.ADAPTIVE, 3, 15))
+    assert c.ladder == [0, 1, 3, 7, 15]
+    for _ in range(10):  # trees of 7 commit 4 tokens a step, of 3 only 2.2, of 1 1.6
+        c.observe(7, 3)
+        c.observe(3, 1)  # (an EMA of accepted + 1: 2.0)
+        c.observe(1, 1)
+    assert c.tokens_per_step(7) == pytest.approx(4.0, rel=0.01) and c.tokens_per_step(1) == pytest.approx(2.0, rel=0.01)
+    assert c._best_k(_Costs(0.05))[0] == 7  # cheap rows: the larger tree
+    assert c._best_k(_Costs(0.6))[0] == 1  # dear rows: the smallest tree that pays
+    assert c._best_k(_Costs(2.0))[0] == 0  # dearer still: plain decoding
+    # An unmeasured budget is priced by the chain formula times the gain measured nearest to it.
+    gain = c.tokens_per_step(7) / expected_tokens(c.alpha, 7)
+    assert c.tokens_per_step(15) == pytest.approx(expected_tokens(c.alpha, 15) * gain)
+
+
+def test_a_fixed_tree_budget_never_moves():
+    from specdec.core.speculation import TreeBudgetController
+
+    c = TreeBudgetController(SpeculationPolicy(SpeculationMode.FIXED, 7, 15))
+    for _ in range(5):
+        c.observe(7, 0)
+    assert c.next_k() == 7

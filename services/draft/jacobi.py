@@ -13,8 +13,8 @@ reaches ``base + a + 1``, so rows ``a ..`` are the new guesses for the positions
 - ``lookahead`` keeps an n-gram pool, filled from the committed tokens (the prompt included) and
   from the Jacobi trajectories (``N - 1`` window tokens followed by the target's guess after them).
   Each block is one token tree: the *verification branch*, up to ``G`` pooled n-grams that follow
-  the last committed token, and the *lookahead branch*, the Jacobi window of ``W`` guesses, merged
-  as a trie (siblings distinct). One target forward verifies every candidate and iterates the window.
+  the last committed token, and the *lookahead branch*, as much of the Jacobi window of ``W``
+  guesses as the node budget leaves, merged as a trie (siblings distinct). One target forward verifies every candidate and iterates the window.
 
 Every draft is a point mass, which every rule verifies exactly: these drafters change speed, never output.
 """
@@ -137,9 +137,13 @@ class LookaheadSession:
         self._indexed = max(self._indexed, n)
         window = pad(committed, guesses_after(committed, self._window, self._base)[: self.W], min(self.W, budget))
         trie = _Trie()
-        window_nodes = trie.add(window, budget)  # the lookahead branch first: it is iterated every step
-        for candidate in self.pool.after(committed[-1])[: self.G]:
+        for candidate in self.pool.after(committed[-1])[: self.G]:  # the verification branch first: it is what gets accepted
             if trie.add(candidate, budget) is None:
+                break
+        window_nodes = None  # the lookahead branch: as much of the window as the budget leaves
+        for size in range(len(window), 0, -1):
+            if (window_nodes := trie.add(window[:size], budget)) is not None:
+                window = window[:size]
                 break
         ids, parents = tuple(trie.tokens), tuple(trie.parents)
         if all(p == i - 1 for i, p in enumerate(parents)):

@@ -30,7 +30,7 @@ import torch
 from specdec.core.errors import SessionAlreadyOpen, SpecdecError
 from specdec.core.goodput import BatchCostModel, LoadRegimes, load_cap
 from specdec.core.offload import Offload
-from specdec.core.speculation import SpeculationController, SpeculationMode, StepTiming
+from specdec.core.speculation import TREE_DRAFTERS, SpeculationController, SpeculationMode, StepTiming, TreeBudgetController
 from specdec.core.steps import DraftProposal, SessionRun, SessionSpec, StepCommit, VerifyOutcome, WorkerInfo
 from specdec.core.threads import ThreadChooser
 from specdec.target.engine import KVBudgetFull, SessionState, VerifierEngine
@@ -142,7 +142,8 @@ class VerifierScheduler:
                 # (drafting ahead would only delay the verifications it cannot run beside).
                 policy = dataclasses.replace(policy, overlap=False)
             self.load_regimes.adaptive_sessions += 1
-        plan = SessionPlan(run, SpeculationController(policy))
+        controller = TreeBudgetController if run.spec.drafter in TREE_DRAFTERS else SpeculationController
+        plan = SessionPlan(run, controller(policy))
         self.plans[run.spec.session_id] = plan
         return plan
 
