@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEMO, held_out_prompts, write_result  # noqa: E402
 
 DRAFTERS = ("model", "tree", "eagle", "eagle_tree", "eagle_full_vocab")
-OTHERS = ("ngram", "jacobi", "lookahead")  # the model-free drafters, for the families' table (--drafters)
+OTHERS = ("ngram", "jacobi", "lookahead", "layer_skip")  # the model-free drafters, for the families' table (--drafters)
 
 
 def decode(engine, drafter, name: str, prompt_ids: list[int], k: int, new_tokens: int) -> dict:
@@ -95,12 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     target = str(DEMO / "target")
     engine = VerifierEngine.from_config(TargetConfig(target, max_sessions=4))
     drafters = build_drafters(DraftConfig(str(DEMO / "draft"), target, eagle_head_path=str(DEMO / "eagle")))
-    drafters["eagle_full_vocab"] = build_drafters(DraftConfig(None, target, eagle_head_path=str(DEMO / "eagle"),
-                                                              eagle_draft_vocab=False))["eagle"]
+    names = tuple(args.drafters.split(","))
+    if "eagle_full_vocab" in names:
+        drafters["eagle_full_vocab"] = build_drafters(DraftConfig(None, target, eagle_head_path=str(DEMO / "eagle"),
+                                                                  eagle_draft_vocab=False))["eagle"]
+    if "layer_skip" in names:  # the target's own layers, chosen by measurement at build
+        drafters["layer_skip"] = build_drafters(DraftConfig(None, target, layer_skip="auto"))["layer_skip"]
+        print(f"layer_skip runs layers {drafters['layer_skip'].layers}: {drafters['layer_skip'].scores}", flush=True)
     tok = engine.loaded.tokenizer
     prompts = [tok(p)["input_ids"] for p in held_out_prompts(args.prompts)]
     budgets = [int(b) for b in args.budgets.split(",")]
-    names = tuple(args.drafters.split(","))
     rows = []
     for k in budgets:
         stats = {name: {"accepted": [], "seconds": [], "tokens": 0, "wire_bytes": [], "wire_ns": []} for name in names}

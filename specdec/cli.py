@@ -93,6 +93,9 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
         p.add_argument("--eagle-head", default=None, metavar="PATH",
                        help="an EAGLE head trained on the target, for --drafter eagle (default $SPECDEC_EAGLE_HEAD, "
                             "or models/demo/eagle with the demo target)")
+        p.add_argument("--layer-skip", default="", metavar="auto|LAYERS",
+                       help="serve drafter layer_skip: the target's own layers as its drafter, chosen by measurement "
+                            "at start-up (auto) or named (0,1,3); loads the target's weights on the drafter")
         p.add_argument("--lookahead-window", type=int, default=4, metavar="W",
                        help="drafter lookahead: Jacobi guesses in its lookahead branch (default 4)")
         p.add_argument("--lookahead-ngram", type=int, default=3, metavar="N", help="drafter lookahead: n-gram size (default 3)")
@@ -113,7 +116,7 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
                    help="how sampled drafts are verified (default coupled: a seed gives the same text whatever "
                         "the speculation; rejection: Leviathan et al.'s rule)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--drafter", default="model", help="model | ngram | tree (token trees from the draft model) | eagle (an EAGLE head over the target's features)")
+    p.add_argument("--drafter", default="model", help="model | ngram | tree (token trees from the draft model) | eagle | eagle_tree (an EAGLE head over the target's features) | jacobi | lookahead | layer_skip")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="fixed speculation length (default: adaptive)")
     p.add_argument("--max-speculative-tokens", type=int, default=8, help="adaptive upper bound")
     p.add_argument("--no-overlap", action="store_true",
@@ -238,13 +241,13 @@ def _draft_placement(args) -> dict:
     return draft_placement(args.draft_device, args.draft_dtype)
 
 
-def _lookahead(args) -> dict:
-    """--lookahead-window, --lookahead-ngram and --lookahead-candidates as DraftConfig fields."""
+def _drafter_options(args) -> dict:
+    """--lookahead-window, --lookahead-ngram, --lookahead-candidates and --layer-skip as DraftConfig fields."""
     if args.lookahead_window < 1 or args.lookahead_ngram < 2 or args.lookahead_candidates < 0:
         raise UsageError(f"lookahead needs --lookahead-window >= 1, --lookahead-ngram >= 2, --lookahead-candidates >= 0; "
                          f"got {args.lookahead_window}, {args.lookahead_ngram}, {args.lookahead_candidates}")
     return {"lookahead_window": args.lookahead_window, "lookahead_ngram": args.lookahead_ngram,
-            "lookahead_candidates": args.lookahead_candidates}
+            "lookahead_candidates": args.lookahead_candidates, "layer_skip": args.layer_skip}
 
 
 def resolve_rule(args) -> str:
@@ -328,7 +331,7 @@ async def _generate_embedded(args) -> int:
     threads = args.threads
     orch = roles.embedded(TargetConfig(target, threads=threads, weight_layouts=args.weight_layouts, **_target_placement(args)),
                           DraftConfig(draft, target, threads=threads, fast_draft_forward=not args.reference_forward,
-                                      min_confidence=args.draft_min_confidence, eagle_head_path=eagle_head_path(args.eagle_head, target), **_lookahead(args),
+                                      min_confidence=args.draft_min_confidence, eagle_head_path=eagle_head_path(args.eagle_head, target), **_drafter_options(args),
                                       **_draft_placement(args)),
                           OrchestratorConfig(default_drafter=args.drafter))
     t0 = time.perf_counter()
@@ -442,7 +445,7 @@ async def _serve(args) -> int:
                                      "--draft-dtype" if args.draft_dtype or not args.dtype else "--dtype"))
         config = DraftConfig(draft, target, threads=args.threads, fast_draft_forward=not args.reference_forward,
                              min_confidence=args.draft_min_confidence, **placement,
-                             eagle_head_path=eagle_head_path(args.eagle_head, target), **_lookahead(args), max_sessions=args.max_sessions,
+                             eagle_head_path=eagle_head_path(args.eagle_head, target), **_drafter_options(args), max_sessions=args.max_sessions,
                              max_session_tokens=args.max_session_tokens)
         running, _ = await roles.start_draft(config, server, registry)
     elif args.role == "target":
@@ -459,7 +462,7 @@ async def _serve(args) -> int:
         if names:
             target = config.model_path
             draft = model_path(args.draft, ENV_DRAFT, "draft") if {"model", "tree"} & set(names) else None
-            in_verifier = DraftConfig(draft, target, threads=args.threads, eagle_head_path=eagle_head_path(args.eagle_head, target), **_lookahead(args),
+            in_verifier = DraftConfig(draft, target, threads=args.threads, eagle_head_path=eagle_head_path(args.eagle_head, target), **_drafter_options(args),
                                       min_confidence=args.draft_min_confidence, **_draft_placement(args),
                                       max_sessions=args.max_sessions, max_session_tokens=args.max_session_tokens)
         running, _ = await roles.start_target(config, server, service_token=token, registry=registry,
@@ -558,8 +561,9 @@ def _up(args) -> int:
         common += ["--kv-memory-fraction", str(placed["kv_memory_fraction"])]
     if args.eagle_head:
         common += ["--eagle-head", str(Path(args.eagle_head).resolve())]
-    for field, value in _lookahead(args).items():
-        common += [f"--{field.replace('_', '-')}", str(value)]
+    for field, value in _drafter_options(args).items():
+        if value != "":
+            common += [f"--{field.replace('_', '-')}", str(value)]
     ca_file = tls_dir = None
     if args.tls:
         import tempfile

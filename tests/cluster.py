@@ -76,16 +76,18 @@ async def start_cluster(target_path: str, draft_path: str, redis_url: str, prefi
                         config: OrchestratorConfig | None = None, api_keys: tuple[str, ...] = (),
                         service_token: str | None = None, tls: TlsFiles | None = None, metrics: bool = False,
                         target_dtype: str = "float32", target_numerics: str = "fast", eagle_head: str | None = None,
-                        in_verifier: tuple[str, ...] = ()) -> Cluster:
+                        in_verifier: tuple[str, ...] = (), layer_skip: str = "") -> Cluster:
     """``api_keys``: the client API's keys; ``service_token``: the internal hops' (none: open);
     ``tls``: TLS on every hop, mutual between roles (none: plaintext); ``metrics``: a registry per role;
     ``target_dtype``, ``target_numerics``: the verifier's precision and numerics (TargetConfig);
     ``eagle_head``: the drafter also serves ``eagle`` with this head; ``in_verifier``: drafters the
-    verifier runs itself (with that head), which the draft worker then does not serve."""
+    verifier runs itself (with that head), which the draft worker then does not serve; ``layer_skip``:
+    the drafter also serves ``layer_skip`` (DraftConfig.layer_skip)."""
     registries = {role: CollectorRegistry() for role in ("draft", "target", "orchestrator")} if metrics else {}
     internal = replace(LOOPBACK, credentials=Credentials((service_token,) if service_token else ()), tls=tls,
                        require_client_cert=tls is not None)
-    draft_server, draft = await roles.start_draft(DraftConfig(draft_path, target_path, eagle_head_path=None if in_verifier else eagle_head), internal, registries.get("draft"))
+    draft_server, draft = await roles.start_draft(DraftConfig(draft_path, target_path, eagle_head_path=None if in_verifier else eagle_head,
+                                                                   layer_skip=layer_skip), internal, registries.get("draft"))
     target_config = TargetConfig(target_path, dtype=target_dtype, numerics=target_numerics)
     own = DraftConfig(None, target_path, eagle_head_path=eagle_head) if in_verifier else None
     target_server, target = await roles.start_target(target_config, internal, loop_config=PATIENT, service_token=service_token,

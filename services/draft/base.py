@@ -1,6 +1,6 @@
 """What every drafter implements and is configured by: the session and drafter protocols, DraftConfig.
 
-The implementations (model_drafter, ngram, jacobi, eagle_drafter; tree_drafter builds on model_drafter) import only this module, the core and each other, never the registry; the registry
+The implementations (model_drafter, ngram, jacobi, layer_skip, eagle_drafter; tree_drafter builds on model_drafter) import only this module, the core and each other, never the registry; the registry
 (specdec.draft.drafters) imports them. So the registry knows the drafters and no drafter knows the
 registry: drafters depend one way.
 """
@@ -54,6 +54,9 @@ class DraftConfig:
     # A model drafter ends a block after a token it gives less probability than this (0: every
     # block is as long as the verifier asked): k becomes an upper bound, and a long k costs little.
     min_confidence: float = 0.0
+    # Layer-skip self-speculation (drafter `layer_skip`): "" off; "auto": the target's layers chosen by
+    # measurement at start-up; "0,1,3": those layers (services/draft/layer_skip.py).
+    layer_skip: str = ""
     # Lookahead decoding (drafter `lookahead`): Jacobi window W, n-gram size N, candidate n-grams G.
     lookahead_window: int = 4
     lookahead_ngram: int = 3

@@ -7,7 +7,7 @@ drafter from here.
 from __future__ import annotations
 
 from specdec.core.errors import InvalidRequest
-from specdec.draft import eagle_drafter, jacobi, model_drafter, ngram, tree_drafter
+from specdec.draft import eagle_drafter, jacobi, layer_skip, model_drafter, ngram, tree_drafter
 from specdec.draft.base import DraftConfig, Drafter, DrafterFactory, DraftSession  # noqa: F401 (re-exported)
 
 # name (the request's `drafter` field) -> factory; a factory returns None when the configuration
@@ -18,6 +18,7 @@ REGISTRY: dict[str, DrafterFactory] = {
     "eagle": eagle_drafter.build,
     "jacobi": jacobi.build_jacobi,
     "lookahead": jacobi.build_lookahead,
+    "layer_skip": layer_skip.build,
 }
 
 

@@ -1,0 +1,125 @@
+"""Layer-skip self-speculation (drafter ``layer_skip``): the target drafts for itself with a subset of
+its own layers and its own LM head (LayerSkip's early exit, Elhoushi et al. 2024; SWIFT's skipped
+layers, Xia et al. 2024). No draft model: the draft worker loads the target's weights and runs the
+chosen layers on the lean forward, with its own KV cache and the model drafter's exact rollback.
+
+The layers are chosen by measurement when the drafter is built (``layer_skip="auto"``): the full
+target greedily continues a fixed code prompt; every candidate subset (each early exit, and each
+single skipped layer between the first and the last) is scored by how often its greedy token equals
+the full target's on that continuation (teacher-forced: the acceptance alpha a greedy chain of its
+drafts would see) and by its measured one-row step time against the full target's (c), and the
+subset with the best bound max over k of E(alpha, k) / (k c + 1) drafts. ``layer_skip="0,1,3"``
+names the layers instead. Drafts are the model drafter's (greedy, coupled or sampled with their
+exact distribution), so every rule verifies them exactly.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from specdec.core.models import load_causal_lm
+from specdec.core.runner import HFRunner, crop_to
+from specdec.core.sampling import SamplingParams
+from specdec.core.speculation import expected_tokens
+from specdec.draft.base import DraftConfig
+from specdec.draft.model_drafter import ModelDrafter, ModelDraftSession, resolve_draft_dtype
+
+CALIBRATION_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the arguments and run.\"\"\"\n"
+CALIBRATION_TOKENS = 96  # the full target's greedy continuation the subsets are scored on
+MAX_K = 8
+
+
+def use_layers(model: torch.nn.Module, layers: Sequence[int], all_layers: Sequence[torch.nn.Module]) -> None:
+    """Make ``model`` run only ``layers`` of ``all_layers`` (the same modules: no weights copied)."""
+    model.model.layers = torch.nn.ModuleList([all_layers[i] for i in layers])
+    model.config.num_hidden_layers = len(layers)
+    for place, layer in enumerate(model.model.layers):  # a layer's index into the cache is its place in the subset
+        layer.self_attn.layer_idx = place
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i] for i in layers]
+
+
+def candidates(n: int) -> list[list[int]]:
+    """Each early exit (after 1 .. n - 1 layers) and each single skipped layer other than the first and last."""
+    exits = [list(range(stop)) for stop in range(1, n)]
+    skips = [[i for i in range(n) if i != skipped] for skipped in range(1, n - 1)]
+    return exits + skips
+
+
+def speedup_bound(alpha: float, cost: float) -> float:
+    """max over k of E(alpha, k) / (k c + 1): verification priced as one step (an upper bound)."""
+    return max(expected_tokens(alpha, k) / (k * cost + 1.0) for k in range(MAX_K + 1))
+
+
+@torch.inference_mode()
+def choose_layers(model: torch.nn.Module, tokenizer, all_layers: Sequence[torch.nn.Module]) -> tuple[list[int], dict]:
+    """The subset with the best measured bound, and every candidate's figures."""
+    n = len(all_layers)
+    ids = torch.tensor([tokenizer(CALIBRATION_PROMPT)["input_ids"]])
+    full = model.generate(ids, max_new_tokens=CALIBRATION_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    want = model(full).logits[0, ids.shape[1] - 1 : -1].argmax(-1)  # the full target's tokens, teacher-forced
+    full_time = _step_time(model, full)
+    scores = {}
+    for layers in candidates(n):
+        use_layers(model, layers, all_layers)
+        got = model(full).logits[0, ids.shape[1] - 1 : -1].argmax(-1)
+        alpha = float((got == want).float().mean())
+        cost = _step_time(model, full) / full_time
+        scores[",".join(map(str, layers))] = {"alpha": round(alpha, 3), "cost": round(cost, 3),
+                                              "bound": round(speedup_bound(alpha, cost), 3)}
+    use_layers(model, range(n), all_layers)
+    best = max(scores, key=lambda name: scores[name]["bound"])
+    return [int(i) for i in best.split(",")], scores
+
+
+def _step_time(model: torch.nn.Module, ids: torch.Tensor, reps: int = 5) -> float:
+    """Median seconds of one new token after ``ids`` (the cost of a draft step, with its cache)."""
+    runner = HFRunner(model)  # (its name for the forward's cache argument, which transformers renamed)
+    cache = runner.new_cache()
+    model(ids[:, :-1], use_cache=True, **{runner.cache_arg: cache})
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        model(ids[:, -1:], use_cache=True, **{runner.cache_arg: cache})
+        times.append(time.perf_counter() - t0)
+        crop_to(cache, ids.shape[1] - 1)
+    return statistics.median(times)
+
+
+class LayerSkipDrafter:
+    name = "layer_skip"
+
+    def __init__(self, drafter: ModelDrafter, layers: list[int], scores: dict | None = None) -> None:
+        self._drafter = drafter
+        self.layers, self.scores = layers, scores or {}
+        self.vocab_size = drafter.vocab_size
+        self.loaded = drafter.loaded
+        self.runner = drafter.runner
+
+    def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> ModelDraftSession:
+        return self._drafter.open(prompt_ids, sampling)
+
+    def open_many(self, opens: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[ModelDraftSession]:
+        return self._drafter.open_many(opens)
+
+
+def build(config: DraftConfig) -> LayerSkipDrafter | None:
+    """The registry's factory: None unless ``layer_skip`` is set ("auto" or layer indices) and the target is known."""
+    if not config.layer_skip or not config.target_model_path:
+        return None
+    loaded = load_causal_lm(config.target_model_path, threads=config.threads)
+    model = loaded.model
+    all_layers = list(model.model.layers)
+    if config.layer_skip == "auto":
+        layers, scores = choose_layers(model, loaded.tokenizer, all_layers)
+    else:
+        layers, scores = sorted({int(i) for i in config.layer_skip.split(",")}), None
+        if not layers or layers[0] < 0 or layers[-1] >= len(all_layers):
+            raise ValueError(f"layer_skip names layers in [0, {len(all_layers)}), got {config.layer_skip!r}")
+    use_layers(model, layers, all_layers)
+    drafter = ModelDrafter(loaded, config.proposal_top_k, fast=config.fast_draft_forward, dtype=resolve_draft_dtype(config.draft_dtype),
+                           min_confidence=config.min_confidence, max_sessions=config.max_sessions)
+    return LayerSkipDrafter(drafter, layers, scores)
