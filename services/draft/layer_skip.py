@@ -75,7 +75,7 @@ def choose_layers(model: torch.nn.Module, tokenizer, all_layers: Sequence[torch.
     return [int(i) for i in best.split(",")], scores
 
 
-def _step_time(model: torch.nn.Module, ids: torch.Tensor, reps: int = 5) -> float:
+def _step_time(model: torch.nn.Module, ids: torch.Tensor, reps: int = 15) -> float:
     """Median seconds of one new token after ``ids`` (the cost of a draft step, with its cache)."""
     runner = HFRunner(model)  # (its name for the forward's cache argument, which transformers renamed)
     cache = runner.new_cache()
