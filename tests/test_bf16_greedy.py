@@ -45,7 +45,10 @@ pytestmark = [
 NUM_PROMPTS = 24
 MAX_NEW = 32
 KS = (1, 3, 5, None)  # None: adaptive
-DRAFTERS = tuple(REGISTRY)  # every drafter a request can choose: "model", "ngram"
+# Every drafter a request can choose (the demo head serves eagle), but layer_skip: opt-in, the
+# target loaded again on the drafter (tests/test_layer_skip.py).
+DRAFTERS = tuple(name for name in REGISTRY if name != "layer_skip")
+HEAD = str(DEMO / "eagle")
 NUM_GRPC_REQUESTS = 16
 NUM_ALONE = 4  # reference prompts also decoded one request at a time
 BF16_EXACT = dict(dtype="bfloat16", numerics="exact")
@@ -92,7 +95,7 @@ def first_difference(got: tuple[int, ...], want: tuple[int, ...]) -> int:
 def embedded(target_config: TargetConfig):
     """All roles in this process, as ``specdec generate`` runs them; every step waits for its block."""
     draft = str(DEMO / "draft")
-    return roles.embedded(target_config, DraftConfig(draft, target_config.model_path),
+    return roles.embedded(target_config, DraftConfig(draft, target_config.model_path, eagle_head_path=HEAD),
                           OrchestratorConfig(max_new_tokens_limit=256, max_concurrent_requests=len(KS) * NUM_PROMPTS),
                           loop_config=PATIENT)
 
@@ -142,7 +145,7 @@ async def bf16_cluster(redis_url):
     target, draft = str(DEMO / "target"), str(DEMO / "draft")
     c = await start_cluster(target, draft, redis_url, prefix=f"specdec-test-{uuid.uuid4().hex[:8]}",
                             config=OrchestratorConfig(max_new_tokens_limit=256),
-                            target_dtype=BF16_EXACT["dtype"], target_numerics=BF16_EXACT["numerics"])
+                            target_dtype=BF16_EXACT["dtype"], target_numerics=BF16_EXACT["numerics"], eagle_head=HEAD)
     yield c
     await c.stop()
     delete_prefix(redis_url, c.store._prefix)

@@ -214,5 +214,5 @@ def test_the_target_loads_and_verifies_in_bfloat16_with_exact_numerics(tiny_pair
     engine = VerifierEngine.from_config(TargetConfig(tiny_pair[0], dtype="bfloat16", numerics="exact"))
     assert next(engine.loaded.model.parameters()).dtype == torch.bfloat16
     assert engine.decoder.dtype == torch.bfloat16 and engine.decoder.exact
-    with pytest.raises(ValueError, match="lean forward"):
+    with pytest.raises(ValueError, match="the lean or the paged runner"):
         VerifierEngine(engine.loaded, TargetConfig(tiny_pair[0], fast_forward=False, numerics="exact"))
