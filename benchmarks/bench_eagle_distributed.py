@@ -5,9 +5,10 @@ process per role, loopback gRPC, sessions in Redis).
 Two deployments run side by side: A with the head on the draft worker (the verifier sends each
 step's features in its outcome), B with ``--in-verifier-drafters eagle,eagle_tree`` (the head in
 the verifier's process: no hop, no features on the wire). One stream at a time, greedy, held-out
-prompts, alternated rounds; per method: tokens/s (completion tokens over the requests' wall time,
-median over rounds), mean accepted drafts per verification, and every output checked equal to the
-draft model's (greedy is exact whatever drafts).
+prompts, alternated rounds; chains of 4 and 7 and trees of 7 nodes (5 and 8 rows verified); per
+method: tokens/s (completion tokens over the requests' wall time, median over rounds), mean
+accepted drafts per verification, and every output checked equal to the draft model's (greedy is
+exact whatever drafts).
 
     python benchmarks/bench_eagle_distributed.py        # results in benchmarks/results/eagle/
 """
@@ -30,6 +31,8 @@ METHODS = (  # (name, deployment, drafter, k)
     ("model_k4", "A", "model", 4),
     ("eagle_k4_wire", "A", "eagle", 4),
     ("eagle_k4_in_verifier", "B", "eagle", 4),
+    ("model_k7", "A", "model", 7),
+    ("tree7", "A", "tree", 7),
     ("eagle_tree7_wire", "A", "eagle_tree", 7),
     ("eagle_tree7_in_verifier", "B", "eagle_tree", 7),
 )

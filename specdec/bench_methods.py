@@ -89,6 +89,10 @@ def all_methods(ks: tuple[int, ...], eagle: bool = False) -> list[Method]:
     methods += [Method(f"inproc_seq_tree{k}", "in-process, sequential, token trees", policy(k, False), drafter="tree")
                 for k in TREE_BUDGETS]
     methods.append(Method("dist_overlap_tree7", "distributed, overlap, token trees", policy(7, True), True, "tree"))
+    # The drafters that need no model: prompt lookup, Jacobi iterates, lookahead trees.
+    methods += [Method("inproc_seq_ngram_k4", "in-process, sequential, model-free", policy(4, False), drafter="ngram"),
+                Method("inproc_seq_jacobi_k4", "in-process, sequential, model-free", policy(4, False), drafter="jacobi"),
+                Method("inproc_seq_lookahead_tree7", "in-process, sequential, model-free", policy(7, False), drafter="lookahead")]
     if eagle:  # the head over the target's features, chains and trees, at the rows of the draft model's rows above
         methods += [Method(f"inproc_seq_eagle_k{k}", "in-process, sequential, EAGLE head", policy(k, False), drafter="eagle")
                     for k in (3, 4, 7)]
