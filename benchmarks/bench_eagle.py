@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="3,7,15", help="k: draft tokens (chain) or nodes (tree) per step")
     ap.add_argument("--rounds", type=int, default=2, help="alternated timing rounds")
     ap.add_argument("--drafters", default=",".join(DRAFTERS),
-                    help=f"comma-separated, from {', '.join(DRAFTERS + OTHERS)} (the first is the reference)")
+                    help=f"comma-separated, from {', '.join(DRAFTERS + OTHERS)} and lookahead_W_N_G (the first is the reference)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "eagle")
     ap.add_argument("--result", default="eagle.json", help="the result file's name under --out")
     args = ap.parse_args(argv)
@@ -99,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     if "eagle_full_vocab" in names:
         drafters["eagle_full_vocab"] = build_drafters(DraftConfig(None, target, eagle_head_path=str(DEMO / "eagle"),
                                                                   eagle_draft_vocab=False))["eagle"]
+    for name in names:  # lookahead_W_N_G: lookahead decoding with window W, n-grams of N, G candidates
+        if name.startswith("lookahead_"):
+            from specdec.draft.jacobi import LookaheadDrafter
+
+            drafters[name] = LookaheadDrafter(*(int(x) for x in name.split("_")[1:]))
     if "layer_skip" in names:  # the target's own layers, chosen by measurement at build
         drafters["layer_skip"] = build_drafters(DraftConfig(None, target, layer_skip="auto"))["layer_skip"]
         print(f"layer_skip runs layers {drafters['layer_skip'].layers}: {drafters['layer_skip'].scores}", flush=True)
