@@ -98,7 +98,7 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
                             "at start-up (auto) or named (0,1,3); loads the target's weights on the drafter")
         p.add_argument("--lookahead-window", type=int, default=4, metavar="W",
                        help="drafter lookahead: Jacobi guesses in its lookahead branch (default 4)")
-        p.add_argument("--lookahead-ngram", type=int, default=3, metavar="N", help="drafter lookahead: n-gram size (default 3)")
+        p.add_argument("--lookahead-ngram", type=int, default=4, metavar="N", help="drafter lookahead: n-gram size (default 4)")
         p.add_argument("--lookahead-candidates", type=int, default=4, metavar="G",
                        help="drafter lookahead: pooled n-grams verified per step (default 4)")
         p.add_argument("--draft-min-confidence", type=probability_below_one, default=0.0, metavar="P",

@@ -121,6 +121,16 @@ def test_the_verifier_sends_the_true_features_of_committed_pairs_and_only_to_fea
         engine.close(sid)
 
 
+def test_the_transformers_runner_sends_no_features():
+    """Its forward keeps no hidden states: an eagle session there gets none (and so drafts nothing)."""
+    hf = VerifierEngine.from_config(TargetConfig(TARGET, runner="hf", max_sessions=2))
+    tok, _ = hf_target()
+    ids = tuple(tok("def f(x):\n")["input_ids"])
+    hf.open(SessionSpec("a" * 32, ids, SamplingParams(), "eagle"))
+    hf.verify("a" * 32, DraftProposal(()))
+    assert not hf.sessions.get("a" * 32).features_out
+
+
 # -------------------------------------------------------------------------------------- drafter
 
 @pytest.fixture(scope="module")
@@ -183,6 +193,18 @@ def test_the_fast_path_computes_what_the_heads_modules_compute(eagle):
     outside = torch.ones(restricted.shape[-1], dtype=torch.bool)
     outside[eagle.fast.draft_vocab] = False
     assert torch.isneginf(restricted[:, outside]).all() and torch.isfinite(restricted[:, ~outside]).all()
+
+
+def test_features_of_another_width_are_refused_and_change_nothing(eagle):
+    from specdec.draft.speculator import SessionSpeculator
+
+    tok, _ = hf_target()
+    ids = tuple(tok("x = 1\n")["input_ids"])
+    speculator = SessionSpeculator(eagle.open(ids, SamplingParams()), ids, eagle.vocab_size, 512, lambda block: None)
+    wrong = next(features.to_chunks(0, torch.zeros(len(ids) - 1, 128)))
+    with pytest.raises(InvalidRequest, match="width 128"):
+        speculator.on_outcome(StepOutcome(len(ids) + 1, (5,), 4, True, wrong))
+    assert speculator.committed == list(ids) and speculator.k == 0
 
 
 def test_without_features_the_head_proposes_nothing_and_a_gap_restarts_it(eagle):

@@ -59,7 +59,7 @@ class DraftConfig:
     layer_skip: str = ""
     # Lookahead decoding (drafter `lookahead`): Jacobi window W, n-gram size N, candidate n-grams G.
     lookahead_window: int = 4
-    lookahead_ngram: int = 3
+    lookahead_ngram: int = 4
     lookahead_candidates: int = 4
     ngram_max: int = 3
     ngram_min: int = 1

@@ -30,6 +30,7 @@ import torch
 
 from specdec.core.eagle_fast import FastHead
 from specdec.core.eagle_head import EagleHead
+from specdec.core.errors import InvalidRequest
 from specdec.core.features import FeatureChunk
 from specdec.core.sampling import SamplingParams
 from specdec.core.steps import DraftProposal
@@ -54,7 +55,14 @@ class EagleDraftSession:
         self._prediction: torch.Tensor | None = None  # f̂ after the last ingested pair [1, hidden]
         self._device = head.device
 
+    def check_features(self, chunk: FeatureChunk) -> None:
+        """InvalidRequest for a chunk this head cannot read (another target's width)."""
+        if chunk.values.shape[1] != self._head.hidden:
+            raise InvalidRequest(f"features of width {chunk.values.shape[1]} for a head over a target of hidden size "
+                                 f"{self._head.hidden}: the verifier serves another target than this head's")
+
     def add_features(self, chunk: FeatureChunk) -> None:
+        self.check_features(chunk)
         self._arriving.append(chunk)
 
     @property
@@ -186,7 +194,7 @@ class EagleTreeSession:
 
     def __init__(self, session: EagleDraftSession) -> None:
         self._session = session
-        self.add_features = session.add_features
+        self.add_features, self.check_features = session.add_features, session.check_features
 
     def propose(self, committed: Sequence[int], num_speculative_tokens: int, num_alternatives: int = 0,
                 interrupt: Callable[[], bool] | None = None) -> DraftProposal:

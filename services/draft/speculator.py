@@ -61,8 +61,11 @@ class SessionSpeculator:
         base = outcome.committed_len - len(outcome.token_ids)
         features_only = (not outcome.token_ids and outcome.committed_len == len(self.committed) and outcome.features is not None
                          and (outcome.num_speculative_tokens, outcome.overlap) == (self.k, self.overlap))
+        reads_features = outcome.features is not None and hasattr(self.session, "add_features")
+        if reads_features:
+            self.session.check_features(outcome.features)  # before anything changes
         apply_outcome(self.committed, outcome, self.vocab_size)
-        if outcome.features is not None and hasattr(self.session, "add_features"):
+        if reads_features:
             self.session.add_features(outcome.features)
         if outcome.row_argmax and hasattr(self.session, "add_row_tokens"):
             self.session.add_row_tokens(base, outcome.token_ids, outcome.verified_ids, outcome.verified_parents, outcome.row_argmax)
