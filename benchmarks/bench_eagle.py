@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEMO, held_out_prompts, write_result  # noqa: E402
 
 DRAFTERS = ("model", "tree", "eagle", "eagle_tree", "eagle_full_vocab")
-OTHERS = ("ngram", "jacobi", "lookahead", "layer_skip")  # the model-free drafters, for the families' table (--drafters)
+OTHERS = ("ngram", "jacobi", "lookahead", "layer_skip", "layer_skip_shared")  # the model-free drafters, for the families' table (--drafters)
 
 
 def decode(engine, drafter, name: str, prompt_ids: list[int], k: int, new_tokens: int) -> dict:
@@ -52,9 +52,10 @@ def decode(engine, drafter, name: str, prompt_ids: list[int], k: int, new_tokens
         wire_ns.append(time.perf_counter_ns() - t0)
 
     t0 = time.perf_counter()
-    engine.open(SessionSpec(sid, tuple(prompt_ids), SamplingParams(), drafter.name), new_tokens + 32)
+    spec = SessionSpec(sid, tuple(prompt_ids), SamplingParams(), drafter.name)
+    engine.open(spec, new_tokens + 32)
     state = engine.sessions.get(sid)
-    session = drafter.open(prompt_ids, SamplingParams())
+    session = drafter.open_for(spec) if hasattr(drafter, "open_for") else drafter.open(prompt_ids, SamplingParams())
     if state.wants_features:
         hand_over(session, state)
         wire_bytes.clear(), wire_ns.clear()  # the prompt's: once per session, not per step
@@ -104,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             from specdec.draft.jacobi import LookaheadDrafter
 
             drafters[name] = LookaheadDrafter(*(int(x) for x in name.split("_")[1:]))
+    if "layer_skip_shared" in names:  # inside the verifier: its decoder's first layers over the session's own cache
+        from specdec.draft.layer_skip import shared_in_verifier
+
+        drafters["layer_skip_shared"] = shared_in_verifier(engine, DraftConfig(None, target, layer_skip="auto"))
+        print(f"layer_skip_shared runs layers {drafters['layer_skip_shared'].layers}: {drafters['layer_skip_shared'].scores}", flush=True)
     if "layer_skip" in names:  # the target's own layers, chosen by measurement at build
         drafters["layer_skip"] = build_drafters(DraftConfig(None, target, layer_skip="auto"))["layer_skip"]
         print(f"layer_skip runs layers {drafters['layer_skip'].layers}: {drafters['layer_skip'].scores}", flush=True)

@@ -482,14 +482,15 @@ class LlamaDecoder:
         cache.buf = grown
 
     def layers_forward(self, x: torch.Tensor, rotary: torch.Tensor, buf: torch.Tensor, start: int,
-                       mask: torch.Tensor | None) -> torch.Tensor:
+                       mask: torch.Tensor | None, only: Sequence[int] | None = None) -> torch.Tensor:
         """Every decoder layer over rows ``x`` [n, hidden] at rotary angles ``rotary`` [n, 1, d/2].
 
         Row r's keys and values are written at ``buf`` position ``start + r`` (``buf``:
         [layers, 2, kv_heads, >= start + n, head_dim]), and each row attends to positions
         ``[0, start + n)`` where ``mask`` [n, start + n] allows (None: all of them). The sequence
         forward and the branch forward (core/branch_decode.py) use it; ``forward_batch`` gives
-        `layers_with` its own attention.
+        `layers_with` its own attention. ``only``: these layers alone, in order (the others' keys
+        and values untouched).
         """
         n = x.shape[0]
         end = start + n
@@ -501,7 +502,22 @@ class LlamaDecoder:
                 return exact_ops.masked_attention(self, q, buf[i, 0, :, :end], buf[i, 1, :, :end], mask)
             return self._attention(q, buf[i, 0, :, :end], buf[i, 1, :, :end], mask)
 
-        return self.layers_with(x, rotary, attend)
+        return self.layers_with(x, rotary, attend, only)
+
+    @torch.inference_mode()
+    def partial_forward(self, cache: DecodeCache, token_ids: list[int], start: int, layers: Sequence[int]) -> torch.Tensor:
+        """``token_ids`` at positions start.. through ``layers`` only, then the final norm and the LM
+        head: logits [n, vocab] of a layer-skip draft. It reads the cache's keys and values of
+        those layers before ``start`` and writes its rows' from ``start`` on; the other layers'
+        stay as they were (services/draft/layer_skip.py shares a verifier's cache so)."""
+        n = len(token_ids)
+        end = start + n
+        self._reserve(cache, end)
+        if cache.pooled:  # every layer's positions up to the end finite: the skipped ones are not written here
+            self.pool.fill_to(cache.slab, cache.slot, end)
+        mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start) if n > 1 else None
+        x = self.layers_forward(self.embed[torch.tensor(token_ids)], self.rotary[start:end], cache.buf, start, mask, layers)
+        return self.lm_head(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps)).float()
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Rows ``q`` [n, h, d] over ``keys``/``values`` [kv, L, d]: [n, h * d]."""
@@ -520,13 +536,16 @@ class LlamaDecoder:
         return torch.view_as_real(pairs * rotary).reshape(n, heads, self.head_dim).to(self.dtype)
 
     def layers_with(self, x: torch.Tensor, rotary: torch.Tensor,
-                    attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                    attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                    only: Sequence[int] | None = None) -> torch.Tensor:
         """The one place the layer math lives. ``attend(layer, q [n, h, d], k [n, kv, d], v [n, kv, d])``
-        stores the new keys and values wherever its caller keeps them and returns attention [n, h * d]."""
+        stores the new keys and values wherever its caller keeps them and returns attention [n, h * d].
+        ``only``: run these layers alone (a layer-skip draft)."""
         n = x.shape[0]
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
         shape = (self.hidden,)
-        for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
+        for i in (range(len(self.layers)) if only is None else only):
+            ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj = self.layers[i]
             qkv = qkv_proj(F.rms_norm(x, shape, ln1, self.eps))  # [n, (h + 2kv) * d]
             qk = self.rotate(qkv[:, : (h + kv) * d], rotary)  # rotated q and k [n, h + kv, d]
             x = x + o_proj(attend(i, qk[:, :h], qk[:, h:], qkv[:, (h + kv) * d :].view(n, kv, d)))

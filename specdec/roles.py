@@ -101,7 +101,8 @@ async def start_target(config: TargetConfig, server: ServerConfig, loop_config: 
     mutual TLS too). ``in_verifier``: drafters this process runs itself (in-verifier drafting): a
     session whose drafter is one of them drafts here, taking turns with the verify forwards on one
     model thread as in one process, with no draft worker and no hop; the others stream from draft
-    workers. ``in_verifier_drafters``: which of the drafters ``in_verifier`` can build (empty: all)."""
+    workers. ``in_verifier_drafters``: which of the drafters ``in_verifier`` can build (empty: all);
+    ``layer_skip`` among them drafts with this verifier's own decoder over its sessions' own caches."""
     from specdec.draft.link import LocalDraftLink
     from specdec.target import servicer
     from specdec.target.draft_client import DraftChannels, RemoteDraftLink
@@ -116,7 +117,11 @@ async def start_target(config: TargetConfig, server: ServerConfig, loop_config: 
 
         kv_store = RedisKVStore.from_url(config.kv_redis_url, verifier_engine.layout, prefix=config.kv_prefix,
                                          max_session_tokens=config.kv_redis_max_tokens)
-    local = in_verifier_engine(in_verifier, in_verifier_drafters) if in_verifier is not None else None
+    local = None
+    if in_verifier is not None:
+        shares_cache = "layer_skip" in in_verifier_drafters  # drafts over the verifier's own sessions and weights
+        names = tuple(n for n in in_verifier_drafters if n != "layer_skip") if in_verifier_drafters else None
+        local = in_verifier_engine(in_verifier, names, verifier_engine if shares_cache else None)
     scheduler = VerifierScheduler(verifier_engine, metrics=VerifierMetrics(registry) if registry is not None else None,
                                   kv_store=kv_store, executor=local)
 
@@ -129,16 +134,21 @@ async def start_target(config: TargetConfig, server: ServerConfig, loop_config: 
     return await start_server(server, servicer.register(verifier), [servicer.SERVICE_NAME]), verifier
 
 
-def in_verifier_engine(config: DraftConfig, names: tuple[str, ...] = ()) -> DraftEngine:
-    """The draft engine of a verifier's own drafters: those of ``names`` (all it can build when empty)."""
+def in_verifier_engine(config: DraftConfig, names: tuple[str, ...] | None = None,
+                       shared_with: VerifierEngine | None = None) -> DraftEngine:
+    """The draft engine of a verifier's own drafters: those of ``names`` (None: all it can build),
+    and with ``shared_with`` the layer-skip drafter over that verifier's own decoder and caches."""
     from specdec.draft.drafters import build_drafters
+    from specdec.draft.layer_skip import shared_in_verifier
 
-    built = build_drafters(config)
-    missing = sorted(set(names) - set(built))
+    built = build_drafters(dataclasses.replace(config, layer_skip=""))  # (a layer-skip drafter here shares the verifier's)
+    missing = sorted(set(names or ()) - set(built))
     if missing:
         raise ValueError(f"in-verifier drafters {missing} cannot be built here (this configuration builds {sorted(built)}: "
                          "a model drafter needs --draft, eagle a head for the target, --eagle-head)")
-    drafters = {name: d for name, d in built.items() if not names or name in names}
+    drafters = {name: d for name, d in built.items() if names is None or name in names}
+    if shared_with is not None:
+        drafters["layer_skip"] = shared_in_verifier(shared_with, config)
     return DraftEngine(drafters, dataclasses.replace(config, thread_nice=0))
 
 

@@ -78,3 +78,49 @@ async def test_greedy_and_coupled_equal_target_only_in_one_process_and_over_grpc
     finally:
         await remote.stop()
         delete_prefix(redis_url, remote.store._prefix)
+
+
+def test_inside_the_verifier_it_drafts_over_the_sessions_own_cache_and_never_changes_it(tiny_pair):
+    """The shared cache's exact rollback: drafts (and a pre-draft past assumed tokens) write only past
+    the committed positions, and the session then verifies exactly as one nobody drafted over."""
+    from specdec.core.steps import DraftProposal, SessionSpec
+    from specdec.draft.layer_skip import SharedLayerSkipDrafter, shared_in_verifier
+    from specdec.target.engine import VerifierEngine
+
+    target, _ = tiny_pair
+    engine = VerifierEngine.from_config(TargetConfig(target, max_sessions=4))
+    drafter = shared_in_verifier(engine, DraftConfig(None, target, layer_skip="auto"))
+    assert isinstance(drafter, SharedLayerSkipDrafter) and drafter.layers == [0]  # the one early exit of 2 layers
+    ids = (5, 9, 14, 3, 7, 22, 8)
+    spec, twin = SessionSpec("c" * 32, ids, SamplingParams()), SessionSpec("d" * 32, ids, SamplingParams())
+    engine.open(spec)
+    engine.open(twin)
+    session = drafter.open_for(spec)
+    state, other = engine.sessions.get(spec.session_id), engine.sessions.get(twin.session_id)
+    for _ in range(4):
+        committed = list(state.committed)
+        kept = engine.runner.read_kv(state.cache, 0, state.valid_len).clone()
+        proposal = session.propose(committed, 4)
+        session.propose(committed + list(proposal.token_ids[:2]), 3)  # drafting ahead, past assumed tokens
+        assert torch.equal(engine.runner.read_kv(state.cache, 0, state.valid_len), kept)
+        mine = engine.verify(spec.session_id, proposal)
+        theirs = engine.verify(twin.session_id, proposal)  # the same step, nobody drafted over its cache
+        assert mine.token_ids == theirs.token_ids and state.committed == other.committed
+        assert torch.equal(engine.runner.read_kv(state.cache, 0, state.valid_len),
+                           engine.runner.read_kv(other.cache, 0, other.valid_len))
+    assert len(proposal.token_ids) == 4
+
+
+async def test_inside_the_verifier_greedy_equals_target_only(tiny_pair, redis_url):
+    target, draft = tiny_pair
+    c = await start_cluster(target, draft, redis_url, prefix=f"specdec-test-{uuid.uuid4().hex[:8]}", in_verifier=("layer_skip",))
+    try:
+        assert "layer_skip" not in c.draft.drafters and "layer_skip" in c.orchestrator.target.drafters
+        cases = [(p, (2, 4)[i % 2]) for i, p in enumerate(prompts(8))]
+        replies = await asyncio.gather(*(c.stub.Generate(request(p, k, "layer_skip"), timeout=120) for p, k in cases))
+        for (prompt, k), reply in zip(cases, replies):
+            assert tuple(reply.token_ids) == reference_greedy(target, prompt, MAX_NEW), (prompt, k)
+        assert sum(r.stats.draft_tokens for r in replies) > 0
+    finally:
+        await c.stop()
+        delete_prefix(redis_url, c.store._prefix)

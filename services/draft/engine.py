@@ -233,6 +233,8 @@ class DraftEngine:
             t0 = time.perf_counter_ns()
             if hasattr(drafter, "open_many"):  # the prefills, in one forward
                 sessions = drafter.open_many([(spec.prompt_ids, spec.sampling) for spec, _, _ in opens])
+            elif hasattr(drafter, "open_for"):  # a drafter inside the verifier, drafting over the session's own state there
+                sessions = [drafter.open_for(spec) for spec, _, _ in opens]
             else:  # (only model drafters are grouped: this is one open)
                 sessions = [drafter.open(spec.prompt_ids, spec.sampling) for spec, _, _ in opens]
             elapsed = time.perf_counter_ns() - t0

@@ -11,6 +11,14 @@ drafts would see) and by its measured one-row step time against the full target'
 subset with the best bound max over k of E(alpha, k) / (k c + 1) drafts. ``layer_skip="0,1,3"``
 names the layers instead. Drafts are the model drafter's (greedy, coupled or sampled with their
 exact distribution), so every rule verifies them exactly.
+
+Inside the verifier (`serve target --in-verifier-drafters layer_skip`, lean runner) the drafter is
+`SharedLayerSkipDrafter`: no second copy of anything. It runs the first L layers of the verifier's
+own decoder (an early exit, L chosen by the same measurement on that decoder) over the session's
+own KV cache there: the committed tokens' keys and values of those layers are the target's own, and
+its draft rows write theirs past the committed positions (`LlamaDecoder.partial_forward`), where
+the next verification overwrites every layer. It never moves the session's valid length, so
+rolling back is free: the committed positions are never written (`tests/test_layer_skip.py`).
 """
 from __future__ import annotations
 
@@ -24,8 +32,9 @@ from specdec.core.models import load_causal_lm
 from specdec.core.runner import HFRunner, crop_to
 from specdec.core.sampling import SamplingParams
 from specdec.core.speculation import expected_tokens
+from specdec.core.steps import DraftProposal
 from specdec.draft.base import DraftConfig
-from specdec.draft.model_drafter import ModelDrafter, ModelDraftSession, resolve_draft_dtype
+from specdec.draft.model_drafter import ModelDrafter, ModelDraftSession, pick_draft_token, resolve_draft_dtype
 
 CALIBRATION_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the arguments and run.\"\"\"\n"
 CALIBRATION_TOKENS = 96  # the full target's greedy continuation the subsets are scored on
@@ -123,3 +132,104 @@ def build(config: DraftConfig) -> LayerSkipDrafter | None:
     drafter = ModelDrafter(loaded, config.proposal_top_k, fast=config.fast_draft_forward, dtype=resolve_draft_dtype(config.draft_dtype),
                            min_confidence=config.min_confidence, max_sessions=config.max_sessions)
     return LayerSkipDrafter(drafter, layers, scores)
+
+
+class SharedLayerSkipSession:
+    def __init__(self, verifier, session_id: str, layers: list[int], sampling: SamplingParams, top_k: int) -> None:
+        self._verifier, self._session_id, self._layers = verifier, session_id, layers
+        self._sampling, self._top_k = sampling, top_k
+
+    def propose(self, committed: Sequence[int], num_speculative_tokens: int, num_alternatives: int = 0,
+                interrupt=None) -> DraftProposal:
+        t0 = time.perf_counter_ns()
+        state = self._verifier.sessions.peek(self._session_id)
+        if state is None or num_speculative_tokens <= 0:
+            return DraftProposal(())
+        decoder = self._verifier.decoder
+        start = min(state.valid_len, len(committed) - 1)  # before it: the target's own keys and values
+        logits = decoder.partial_forward(state.cache, list(committed[start:]), start, self._layers)[-1]
+        position = len(committed)
+        tokens, dists, alternatives = [], [], []
+        for i in range(num_speculative_tokens):
+            if tokens and interrupt is not None and interrupt():
+                break
+            token, dist, alt, _ = pick_draft_token(logits, position, self._sampling, self._top_k, num_alternatives)
+            tokens.append(token)
+            if dist is not None:
+                dists.append(dist)
+            if num_alternatives:
+                alternatives.append(alt)
+            if i + 1 < num_speculative_tokens:
+                logits = decoder.partial_forward(state.cache, [token], position, self._layers)[-1]
+            position += 1
+        return DraftProposal(tuple(tokens), tuple(dists) if dists else None, time.perf_counter_ns() - t0, tuple(alternatives))
+
+
+class SharedLayerSkipDrafter:
+    """``layer_skip`` inside the verifier: its decoder's first layers over its sessions' own caches."""
+
+    name = "layer_skip"
+
+    def __init__(self, verifier, layers: list[int], proposal_top_k: int, scores: dict | None = None) -> None:
+        self._verifier, self.layers, self.scores = verifier, layers, scores or {}
+        self.vocab_size = verifier.loaded.vocab_size
+        self._top_k = proposal_top_k
+
+    def open_for(self, spec) -> SharedLayerSkipSession:
+        return SharedLayerSkipSession(self._verifier, spec.session_id, self.layers, spec.sampling, self._top_k)
+
+    def open(self, prompt_ids: Sequence[int], sampling: SamplingParams):
+        raise TypeError("the in-verifier layer_skip drafter opens per session (open_for): it drafts over the verifier's own cache")
+
+
+@torch.inference_mode()
+def choose_exit(decoder, tokenizer) -> tuple[list[int], dict]:
+    """The early exit (the first L layers) with the best measured bound, on ``decoder`` itself: the
+    full forward's greedy continuation of the calibration prompt, each exit's teacher-forced
+    agreement with it, each exit's one-row step time against the full forward's."""
+    ids = list(tokenizer(CALIBRATION_PROMPT)["input_ids"])
+    cache = decoder.private_cache()
+    logits = decoder.forward(cache, ids, 0, 1)[-1]
+    seq = list(ids)
+    for _ in range(CALIBRATION_TOKENS):
+        seq.append(int(logits.argmax()))
+        logits = decoder.forward(cache, seq[-1:], len(seq) - 1, 1)[-1]
+    want = torch.tensor(seq[len(ids):])
+    full_time = _decoder_step_time(lambda c, t, p: decoder.forward(c, t, p, 1), decoder, seq)
+    scores = {}
+    for stop in range(1, len(decoder.layers)):
+        layers = list(range(stop))
+        got = decoder.partial_forward(decoder.private_cache(), seq, 0, layers)[len(ids) - 1 : -1].argmax(-1)
+        alpha = float((got == want).float().mean())
+        cost = _decoder_step_time(lambda c, t, p: decoder.partial_forward(c, t, p, layers), decoder, seq) / full_time
+        scores[",".join(map(str, layers))] = {"alpha": round(alpha, 3), "cost": round(cost, 3),
+                                              "bound": round(speedup_bound(alpha, cost), 3)}
+    best = max(scores, key=lambda name: scores[name]["bound"])
+    return [int(i) for i in best.split(",")], scores
+
+
+def _decoder_step_time(step, decoder, seq: list[int], reps: int = 15) -> float:
+    """Median seconds of one new row after ``seq`` on ``decoder``'s forward ``step(cache, tokens, position)``."""
+    cache = decoder.private_cache()
+    decoder.forward(cache, seq[:-1], 0, 1)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step(cache, seq[-1:], len(seq) - 1)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def shared_in_verifier(verifier, config: DraftConfig) -> SharedLayerSkipDrafter:
+    """The in-verifier drafter over ``verifier`` (a VerifierEngine on the lean runner)."""
+    decoder = verifier.decoder
+    if decoder is None:
+        raise ValueError("layer_skip inside the verifier needs the lean runner (a plain Llama on the CPU); "
+                         "run it on a draft worker instead (serve draft --layer-skip auto)")
+    if config.layer_skip in ("", "auto"):
+        layers, scores = choose_exit(decoder, verifier.loaded.tokenizer)
+    else:
+        layers, scores = sorted({int(i) for i in config.layer_skip.split(",")}), None
+        if not layers or layers[0] < 0 or layers[-1] >= len(decoder.layers):
+            raise ValueError(f"layer_skip names layers in [0, {len(decoder.layers)}), got {config.layer_skip!r}")
+    return SharedLayerSkipDrafter(verifier, layers, config.proposal_top_k, scores)
