@@ -38,6 +38,25 @@ class SparseDistribution:
 
 
 @dataclass(frozen=True)
+class LookaheadParams:
+    """Lookahead decoding's shape for one request (drafter ``lookahead``): the Jacobi window W, the
+    n-gram size N, the candidate n-grams G; 0: the deployment's default."""
+
+    window: int = 0
+    ngram: int = 0
+    candidates: int = 0
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.window <= MAX_LOOKAHEAD and (self.ngram == 0 or 2 <= self.ngram <= MAX_LOOKAHEAD)
+                and 0 <= self.candidates <= MAX_LOOKAHEAD):
+            raise InvalidRequest(f"lookahead: window and candidates in [0, {MAX_LOOKAHEAD}], ngram 0 or in [2, {MAX_LOOKAHEAD}] "
+                                 f"(0: the server's default); got {self.window}, {self.ngram}, {self.candidates}")
+
+
+MAX_LOOKAHEAD = 16
+
+
+@dataclass(frozen=True)
 class SessionSpec:
     """What a worker needs to open a session."""
 
@@ -45,6 +64,7 @@ class SessionSpec:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     drafter: str = ""  # drafter workers only
+    lookahead: LookaheadParams = LookaheadParams()  # drafter `lookahead` only
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from specdec.core.errors import InvalidRequest
 from specdec.core.sessions import SessionRecord, SpecCounters
 from specdec.orchestrator.loop import Chunk, FinishReason
 from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
-from specdec.rpc.wire import policy_from_pb, sampling_from_pb
+from specdec.rpc.wire import lookahead_from_pb, policy_from_pb, sampling_from_pb
 from specdec.v1 import generation_pb2 as pb
 
 _FINISH = {
@@ -37,6 +37,7 @@ def request_from_pb(msg: pb.GenerateRequest, config: OrchestratorConfig) -> Gene
         stop=tuple(msg.stop),
         drafter=msg.drafter,
         policy=policy_from_pb(msg.speculation, config.default_policy),
+        lookahead=lookahead_from_pb(msg.lookahead),
     )
 
 

@@ -169,7 +169,7 @@ class Orchestrator:
         sampling = request.sampling
         session_id = new_session_id()
         record = SessionRecord.new(prompt_ids, params_json(request, drafter_name), sampling.seed, session_id)
-        spec = SessionSpec(session_id, prompt_ids, sampling, drafter_name)
+        spec = SessionSpec(session_id, prompt_ids, sampling, drafter_name, request.lookahead)
         run = await self._session_run(spec, request.max_new_tokens, request.policy)
         holder = new_holder()  # this stream's fencing token: a resume elsewhere fences it off
         await self._retrying(lambda: self.store.create(record, holder))  # a failover pauses a new stream too
@@ -252,7 +252,7 @@ class Orchestrator:
             holder = new_holder()
             await self.store.claim(session_id, len(output), holder)
             spec = SessionSpec(session_id, tuple(record.prompt_ids) + output, request.sampling,
-                               request.drafter or self.config.default_drafter)
+                               request.drafter or self.config.default_drafter, request.lookahead)
             run = await self._session_run(spec, request.max_new_tokens - len(output),
                                           request.policy.resumed_at(record.step_ks[-1] if record.step_ks else None))
             rest = self._loop(request, run, holder, detok=detok, generated=len(output), counters=record.counters,

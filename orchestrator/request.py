@@ -7,6 +7,7 @@ from specdec.core.errors import InvalidRequest
 from specdec.core.sampling import SamplingParams, VerificationRule
 from specdec.core.sessions import SessionRecord
 from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+from specdec.core.steps import LookaheadParams
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     drafter: str = ""
     policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
+    lookahead: LookaheadParams = field(default_factory=LookaheadParams)  # drafter `lookahead` only
     owner: str = ""  # who made the request (specdec.rpc.auth.principal of its API key); "" without keys
 
     def validate(self, config: OrchestratorConfig) -> None:
@@ -80,6 +82,7 @@ def params_json(request: GenerationRequest, drafter: str) -> dict:
         "seed_given": request.seed_given,
         "stop": list(request.stop),
         "drafter": drafter,
+        "lookahead": [request.lookahead.window, request.lookahead.ngram, request.lookahead.candidates],
         "speculation": {
             "mode": request.policy.mode.value,
             "num_speculative_tokens": request.policy.num_speculative_tokens,
@@ -100,8 +103,9 @@ def request_from_record(record: SessionRecord) -> GenerationRequest:
                                    int(spec["max_speculative_tokens"]), overlap=bool(spec["overlap"]))
         return GenerationRequest(prompt_ids=tuple(record.prompt_ids), max_new_tokens=int(p["max_new_tokens"]), sampling=sampling,
                                  seed_given=bool(p["seed_given"]), stop=tuple(p["stop"]), drafter=str(p["drafter"]),
-                                 policy=policy, owner=str(p.get("owner", "")))
-    except (KeyError, TypeError, ValueError) as exc:
+                                 policy=policy, owner=str(p.get("owner", "")),
+                                 lookahead=LookaheadParams(*(int(x) for x in p.get("lookahead", (0, 0, 0)))))
+    except (KeyError, TypeError, ValueError, InvalidRequest) as exc:
         from specdec.core.errors import CorruptRecord
 
         raise CorruptRecord(f"the session's record cannot be continued: its parameters are incomplete ({exc})") from None

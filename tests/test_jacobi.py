@@ -129,3 +129,40 @@ async def test_coupled_sampling_is_seed_exact(embedded, cluster):
         (_, plain, _), (_, spec, _) = await asyncio.gather(one("ngram", 0), one(drafter, k))
         reply = await cluster.stub.Generate(request(prompt, k, drafter, temperature=0.9, seed=7 + i), timeout=120)
         assert spec == plain and tuple(reply.token_ids) == plain, (prompt, drafter, k)
+
+
+def test_a_requests_lookahead_shape_reaches_its_session_and_bad_ones_are_refused():
+    from specdec.core.errors import InvalidRequest
+    from specdec.core.sessions import SessionRecord
+    from specdec.core.steps import LookaheadParams, SessionSpec
+    from specdec.draft.jacobi import LookaheadDrafter
+    from specdec.orchestrator.request import params_json, request_from_record
+
+    spec = SessionSpec("e" * 32, (1, 2, 3), SamplingParams(), "lookahead", LookaheadParams(2, 5, 0))
+    assert wire.spec_from_pb(wire.spec_to_pb(spec)) == spec
+    session = LookaheadDrafter(4, 4, 4).open_for(spec)
+    assert (session.W, session.N, session.G) == (2, 5, 4)  # G unset: the deployment's
+    request = GenerationRequest(prompt_ids=(1, 2, 3), drafter="lookahead", lookahead=LookaheadParams(2, 5, 1))
+    record = SessionRecord.new((1, 2, 3), params_json(request, "lookahead"), 7, "f" * 32)
+    assert request_from_record(record).lookahead == LookaheadParams(2, 5, 1)  # a resumed session keeps it
+    for bad in ((0, 1, 0), (17, 0, 0), (0, 0, 99)):
+        with pytest.raises(InvalidRequest, match="lookahead"):
+            LookaheadParams(*bad)
+
+
+async def test_lookahead_per_request_over_grpc(tiny_pair, cluster):
+    import grpc
+
+    from specdec.v1 import common_pb2
+
+    target, _ = tiny_pair
+    for i, prompt in enumerate(prompts(4)):
+        req = request(prompt, 8, "lookahead")
+        req.lookahead.CopyFrom(common_pb2.LookaheadParams(window=(2, 6)[i % 2], ngram=(3, 5)[i % 2], candidates=2))
+        reply = await cluster.stub.Generate(req, timeout=120)
+        assert tuple(reply.token_ids) == reference_greedy(target, prompt, MAX_NEW), prompt
+    bad = request(prompts(1)[0], 8, "lookahead")
+    bad.lookahead.ngram = 1
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await cluster.stub.Generate(bad, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ngram" in err.value.details()

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from specdec.core.sampling import SamplingParams
-from specdec.core.steps import DraftProposal
+from specdec.core.steps import DraftProposal, SessionSpec
 from specdec.core.tree import ROOT
 from specdec.draft.base import DraftConfig
 from specdec.draft.ngram import lookup
@@ -206,6 +206,11 @@ class LookaheadDrafter:
 
     def open(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> LookaheadSession:
         return LookaheadSession(self.window, self.ngram, self.candidates)
+
+    def open_for(self, spec: SessionSpec) -> LookaheadSession:
+        """The request's W, N and G where it set them, the deployment's elsewhere."""
+        p = spec.lookahead
+        return LookaheadSession(p.window or self.window, p.ngram or self.ngram, p.candidates or self.candidates)
 
 
 def build_jacobi(config: DraftConfig) -> JacobiDrafter:

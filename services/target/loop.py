@@ -185,7 +185,7 @@ class VerifierLoop:
             self._last_attempt = time.monotonic()
             return
         # Reopened with every token committed so far as its prompt.
-        spec = SessionSpec(self.run.spec.session_id, tuple(self.committed), self.run.spec.sampling, self.run.spec.drafter)
+        spec = dataclasses.replace(self.run.spec, prompt_ids=tuple(self.committed))
         self._reconnect = asyncio.ensure_future(self._open_link(link, spec))
         self._reconnect.add_done_callback(lambda task: self._reconnected(task, len(spec.prompt_ids)))
 

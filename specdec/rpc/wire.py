@@ -11,6 +11,7 @@ from specdec.core.steps import (
     MAX_STEP_TOKENS,
     DraftBlock,
     DraftProposal,
+    LookaheadParams,
     SessionRun,
     SessionSpec,
     SparseDistribution,
@@ -63,12 +64,22 @@ def policy_to_pb(p: SpeculationPolicy) -> common_pb2.SpeculationPolicy:
 
 
 def spec_from_pb(pb: common_pb2.OpenSessionRequest) -> SessionSpec:
-    return SessionSpec(pb.session_id, tuple(pb.prompt_token_ids), sampling_from_pb(pb.sampling), pb.drafter)
+    return SessionSpec(pb.session_id, tuple(pb.prompt_token_ids), sampling_from_pb(pb.sampling), pb.drafter,
+                       lookahead_from_pb(pb.lookahead))
 
 
 def spec_to_pb(spec: SessionSpec) -> common_pb2.OpenSessionRequest:
     return common_pb2.OpenSessionRequest(session_id=spec.session_id, prompt_token_ids=spec.prompt_ids,
-                                         sampling=sampling_to_pb(spec.sampling), drafter=spec.drafter)
+                                         sampling=sampling_to_pb(spec.sampling), drafter=spec.drafter,
+                                         lookahead=lookahead_to_pb(spec.lookahead))
+
+
+def lookahead_from_pb(pb: common_pb2.LookaheadParams) -> LookaheadParams:
+    return LookaheadParams(pb.window, pb.ngram, pb.candidates)  # (checked: InvalidRequest out of bounds)
+
+
+def lookahead_to_pb(p: LookaheadParams) -> common_pb2.LookaheadParams:
+    return common_pb2.LookaheadParams(window=p.window, ngram=p.ngram, candidates=p.candidates)
 
 
 def _dists_to_pb(dists: tuple[SparseDistribution, ...] | None) -> list[common_pb2.DraftDistribution]:

@@ -24,27 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\x8b\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12*\n\x04rule\x18\x05 \x01(\x0e\x32\x1c.specdec.v1.VerificationRuleB\x07\n\x05_seed\"5\n\x11\x44raftDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x81\x01\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0f\n\x07\x64rafter\x18\x04 \x01(\t\"\x15\n\x13WorkerStatusRequest\"t\n\x0cWorkerStatus\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\x10\n\x08\x64rafters\x18\x05 \x03(\t\"\xc0\x01\n\x11SpeculationPolicy\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.specdec.v1.SpeculationMode\x12#\n\x16num_speculative_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x16max_speculative_tokens\x18\x03 \x01(\r\x12\x14\n\x07overlap\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x19\n\x17_num_speculative_tokensB\n\n\x08_overlap*u\n\x10VerificationRule\x12!\n\x1dVERIFICATION_RULE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bVERIFICATION_RULE_REJECTION\x10\x01\x12\x1d\n\x19VERIFICATION_RULE_COUPLED\x10\x02*n\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SPECULATION_MODE_FIXED\x10\x01\x12\x1d\n\x19SPECULATION_MODE_ADAPTIVE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\x8b\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12*\n\x04rule\x18\x05 \x01(\x0e\x32\x1c.specdec.v1.VerificationRuleB\x07\n\x05_seed\"5\n\x11\x44raftDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xb1\x01\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0f\n\x07\x64rafter\x18\x04 \x01(\t\x12.\n\tlookahead\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.LookaheadParams\"D\n\x0fLookaheadParams\x12\x0e\n\x06window\x18\x01 \x01(\r\x12\r\n\x05ngram\x18\x02 \x01(\r\x12\x12\n\ncandidates\x18\x03 \x01(\r\"\x15\n\x13WorkerStatusRequest\"t\n\x0cWorkerStatus\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\x10\n\x08\x64rafters\x18\x05 \x03(\t\"\xc0\x01\n\x11SpeculationPolicy\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.specdec.v1.SpeculationMode\x12#\n\x16num_speculative_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x16max_speculative_tokens\x18\x03 \x01(\r\x12\x14\n\x07overlap\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x19\n\x17_num_speculative_tokensB\n\n\x08_overlap*u\n\x10VerificationRule\x12!\n\x1dVERIFICATION_RULE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bVERIFICATION_RULE_REJECTION\x10\x01\x12\x1d\n\x19VERIFICATION_RULE_COUPLED\x10\x02*n\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SPECULATION_MODE_FIXED\x10\x01\x12\x1d\n\x19SPECULATION_MODE_ADAPTIVE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFICATIONRULE']._serialized_start=704
-  _globals['_VERIFICATIONRULE']._serialized_end=821
-  _globals['_SPECULATIONMODE']._serialized_start=823
-  _globals['_SPECULATIONMODE']._serialized_end=933
+  _globals['_VERIFICATIONRULE']._serialized_start=822
+  _globals['_VERIFICATIONRULE']._serialized_end=939
+  _globals['_SPECULATIONMODE']._serialized_start=941
+  _globals['_SPECULATIONMODE']._serialized_end=1051
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=179
   _globals['_DRAFTDISTRIBUTION']._serialized_start=181
   _globals['_DRAFTDISTRIBUTION']._serialized_end=234
   _globals['_OPENSESSIONREQUEST']._serialized_start=237
-  _globals['_OPENSESSIONREQUEST']._serialized_end=366
-  _globals['_WORKERSTATUSREQUEST']._serialized_start=368
-  _globals['_WORKERSTATUSREQUEST']._serialized_end=389
-  _globals['_WORKERSTATUS']._serialized_start=391
-  _globals['_WORKERSTATUS']._serialized_end=507
-  _globals['_SPECULATIONPOLICY']._serialized_start=510
-  _globals['_SPECULATIONPOLICY']._serialized_end=702
+  _globals['_OPENSESSIONREQUEST']._serialized_end=414
+  _globals['_LOOKAHEADPARAMS']._serialized_start=416
+  _globals['_LOOKAHEADPARAMS']._serialized_end=484
+  _globals['_WORKERSTATUSREQUEST']._serialized_start=486
+  _globals['_WORKERSTATUSREQUEST']._serialized_end=507
+  _globals['_WORKERSTATUS']._serialized_start=509
+  _globals['_WORKERSTATUS']._serialized_end=625
+  _globals['_SPECULATIONPOLICY']._serialized_start=628
+  _globals['_SPECULATIONPOLICY']._serialized_end=820
 # @@protoc_insertion_point(module_scope)

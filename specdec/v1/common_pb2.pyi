@@ -48,16 +48,28 @@ class DraftDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "drafter")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "drafter", "lookahead")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     drafter: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ...) -> None: ...
+    lookahead: LookaheadParams
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., lookahead: _Optional[_Union[LookaheadParams, _Mapping]] = ...) -> None: ...
+
+class LookaheadParams(_message.Message):
+    __slots__ = ("window", "ngram", "candidates")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    ngram: int
+    candidates: int
+    def __init__(self, window: _Optional[int] = ..., ngram: _Optional[int] = ..., candidates: _Optional[int] = ...) -> None: ...
 
 class WorkerStatusRequest(_message.Message):
     __slots__ = ()

@@ -25,33 +25,33 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"<\n\rResumeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0freceived_tokens\x18\x02 \x01(\r\"\xef\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x32\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1d.specdec.v1.SpeculationPolicyB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xf8\x01\n\x10SpeculationStats\x12\x0e\n\x06\x64rafts\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x14\n\x0cverify_steps\x18\x04 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x02\x12#\n\x1blast_num_speculative_tokens\x18\x06 \x01(\r\x12\x18\n\x10predrafted_steps\x18\x07 \x01(\r\x12\x16\n\x0everify_time_ms\x18\x08 \x01(\x01\x12\x1a\n\x12\x64raft_wait_time_ms\x18\t \x01(\x01\"\xd5\x01\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\xdb\x01\n\x16GenerateStreamResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xb7\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x07 \x01(\x04*\x7f\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1e\n\x1a\x46INISH_REASON_CONTEXT_FULL\x10\x03\x32\xbf\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12\x44\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x17.specdec.v1.SessionInfo\x12O\n\x0cResumeStream\x12\x19.specdec.v1.ResumeRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"<\n\rResumeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0freceived_tokens\x18\x02 \x01(\r\"\x9f\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x32\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1d.specdec.v1.SpeculationPolicy\x12.\n\tlookahead\x18\x08 \x01(\x0b\x32\x1b.specdec.v1.LookaheadParamsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xf8\x01\n\x10SpeculationStats\x12\x0e\n\x06\x64rafts\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x14\n\x0cverify_steps\x18\x04 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x02\x12#\n\x1blast_num_speculative_tokens\x18\x06 \x01(\r\x12\x18\n\x10predrafted_steps\x18\x07 \x01(\r\x12\x16\n\x0everify_time_ms\x18\x08 \x01(\x01\x12\x1a\n\x12\x64raft_wait_time_ms\x18\t \x01(\x01\"\xd5\x01\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\xdb\x01\n\x16GenerateStreamResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xb7\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x07 \x01(\x04*\x7f\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1e\n\x1a\x46INISH_REASON_CONTEXT_FULL\x10\x03\x32\xbf\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12\x44\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x17.specdec.v1.SessionInfo\x12O\n\x0cResumeStream\x12\x19.specdec.v1.ResumeRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1372
-  _globals['_FINISHREASON']._serialized_end=1499
+  _globals['_FINISHREASON']._serialized_start=1420
+  _globals['_FINISHREASON']._serialized_end=1547
   _globals['_RESUMEREQUEST']._serialized_start=68
   _globals['_RESUMEREQUEST']._serialized_end=128
   _globals['_GENERATEREQUEST']._serialized_start=131
-  _globals['_GENERATEREQUEST']._serialized_end=370
-  _globals['_TOKENIDS']._serialized_start=372
-  _globals['_TOKENIDS']._serialized_end=395
-  _globals['_USAGE']._serialized_start=397
-  _globals['_USAGE']._serialized_end=454
-  _globals['_SPECULATIONSTATS']._serialized_start=457
-  _globals['_SPECULATIONSTATS']._serialized_end=705
-  _globals['_GENERATERESPONSE']._serialized_start=708
-  _globals['_GENERATERESPONSE']._serialized_end=921
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=924
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1143
-  _globals['_GETSESSIONREQUEST']._serialized_start=1145
-  _globals['_GETSESSIONREQUEST']._serialized_end=1184
-  _globals['_SESSIONINFO']._serialized_start=1187
-  _globals['_SESSIONINFO']._serialized_end=1370
-  _globals['_GENERATION']._serialized_start=1502
-  _globals['_GENERATION']._serialized_end=1821
+  _globals['_GENERATEREQUEST']._serialized_end=418
+  _globals['_TOKENIDS']._serialized_start=420
+  _globals['_TOKENIDS']._serialized_end=443
+  _globals['_USAGE']._serialized_start=445
+  _globals['_USAGE']._serialized_end=502
+  _globals['_SPECULATIONSTATS']._serialized_start=505
+  _globals['_SPECULATIONSTATS']._serialized_end=753
+  _globals['_GENERATERESPONSE']._serialized_start=756
+  _globals['_GENERATERESPONSE']._serialized_end=969
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=972
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1191
+  _globals['_GETSESSIONREQUEST']._serialized_start=1193
+  _globals['_GETSESSIONREQUEST']._serialized_end=1232
+  _globals['_SESSIONINFO']._serialized_start=1235
+  _globals['_SESSIONINFO']._serialized_end=1418
+  _globals['_GENERATION']._serialized_start=1550
+  _globals['_GENERATION']._serialized_end=1869
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ class ResumeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., received_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "max_new_tokens", "sampling", "stop", "drafter", "speculation")
+    __slots__ = ("text", "token_ids", "max_new_tokens", "sampling", "stop", "drafter", "speculation", "lookahead")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     max_new_tokens: int
@@ -43,7 +44,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     drafter: str
     speculation: _common_pb2.SpeculationPolicy
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., drafter: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ...) -> None: ...
+    lookahead: _common_pb2.LookaheadParams
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., drafter: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ..., lookahead: _Optional[_Union[_common_pb2.LookaheadParams, _Mapping]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
