@@ -65,7 +65,9 @@ def bench(config: BenchConfig, progress: Callable[..., None] | None = None) -> d
     deployment = Deployment.start(config) if any(m.distributed for m in methods) else None
     try:
         in_process = any(m.policy is not None and not m.distributed for m in methods)
-        runners = Runners(config, deployment.address if deployment else None, in_process)
+        # The layer-skip drafter loads the target a second time: only when a method asks for it.
+        layer_skip = any(m.drafter == "layer_skip" and not m.distributed for m in methods)
+        runners = Runners(config, deployment.address if deployment else None, in_process, layer_skip)
         results = asyncio.run(_run_all(config, methods, runners, progress, deployment))
     finally:
         if deployment is not None:

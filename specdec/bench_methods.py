@@ -92,7 +92,9 @@ def all_methods(ks: tuple[int, ...], eagle: bool = False) -> list[Method]:
     # The drafters that need no model: prompt lookup, Jacobi iterates, lookahead trees.
     methods += [Method("inproc_seq_ngram_k4", "in-process, sequential, model-free", policy(4, False), drafter="ngram"),
                 Method("inproc_seq_jacobi_k4", "in-process, sequential, model-free", policy(4, False), drafter="jacobi"),
-                Method("inproc_seq_lookahead_tree7", "in-process, sequential, model-free", policy(7, False), drafter="lookahead")]
+                Method("inproc_seq_lookahead_tree7", "in-process, sequential, model-free", policy(7, False), drafter="lookahead"),
+                Method("inproc_seq_layer_skip_k3", "in-process, sequential, the target's own layers", policy(3, False),
+                       drafter="layer_skip")]
     if eagle:  # the head over the target's features, chains and trees, at the rows of the draft model's rows above
         methods += [Method(f"inproc_seq_eagle_k{k}", "in-process, sequential, EAGLE head", policy(k, False), drafter="eagle")
                     for k in (3, 4, 7)]

@@ -34,8 +34,9 @@ class Run:
 class Runners:
     """Loads the models once and runs any method on a prompt."""
 
-    def __init__(self, config: BenchConfig, address: str | None, in_process: bool = True) -> None:
-        """``address``: the distributed orchestrator (None: none); ``in_process``: load specdec here too."""
+    def __init__(self, config: BenchConfig, address: str | None, in_process: bool = True, layer_skip: bool = False) -> None:
+        """``address``: the distributed orchestrator (None: none); ``in_process``: load specdec here too;
+        ``layer_skip``: with the layer-skip drafter (its layers chosen by measurement at start-up)."""
         import torch
         from transformers import AutoTokenizer
 
@@ -55,7 +56,8 @@ class Runners:
         self.orch = None
         if in_process:
             self.orch = roles.embedded(TargetConfig(config.target, threads=config.threads, **config.target_fields()),
-                                       DraftConfig(config.draft, config.target, threads=config.threads, **config.draft_fields()),
+                                       DraftConfig(config.draft, config.target, threads=config.threads, **config.draft_fields(),
+                                                   layer_skip="auto" if layer_skip else ""),
                                        OrchestratorConfig(max_new_tokens_limit=max(2048, self.n)))
         self.address, self.channel, self.stub = address, None, None
 

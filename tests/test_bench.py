@@ -16,7 +16,7 @@ from specdec.core.sessions import SpecCounters
 
 IN_PROCESS = ["target_only", "specdec_k0", "inproc_seq_k1", "inproc_seq_k2", "inproc_seq_adaptive",
               "inproc_overlap_k4", "inproc_overlap_adaptive", "inproc_seq_tree3", "inproc_seq_tree7", "inproc_seq_tree15",
-              "inproc_seq_ngram_k4", "inproc_seq_jacobi_k4", "inproc_seq_lookahead_tree7"]
+              "inproc_seq_ngram_k4", "inproc_seq_jacobi_k4", "inproc_seq_lookahead_tree7", "inproc_seq_layer_skip_k3"]
 
 
 @pytest.fixture(scope="module")
