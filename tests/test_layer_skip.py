@@ -83,7 +83,7 @@ async def test_greedy_and_coupled_equal_target_only_in_one_process_and_over_grpc
 def test_inside_the_verifier_it_drafts_over_the_sessions_own_cache_and_never_changes_it(tiny_pair):
     """The shared cache's exact rollback: drafts (and a pre-draft past assumed tokens) write only past
     the committed positions, and the session then verifies exactly as one nobody drafted over."""
-    from specdec.core.steps import DraftProposal, SessionSpec
+    from specdec.core.steps import SessionSpec
     from specdec.draft.layer_skip import SharedLayerSkipDrafter, shared_in_verifier
     from specdec.target.engine import VerifierEngine
 
