@@ -7,9 +7,10 @@ Methods, greedy, on the prompts `specdec bench` uses (the pair's held-out files)
 prompt (every method runs each prompt in turn, the order rotating), medians over rounds:
   llamacpp_f32, llamacpp_f16   llama.cpp target-only (`llama-completion -t 1 --temp 0`), GGUF f32 / f16
   llamabench_f32, llamabench_f16   `llama-bench -t 1 -p 0 -n N`: pure decode from an empty context
-  specdec_{f32,bf16}_{k0,adaptive}   specdec in one process (all roles embedded, as `specdec bench`'s
-                               in-process methods), torch at 1 thread; the target in float32, or in
-                               bfloat16 with exact numerics; k = 0 (target only) or adaptive.
+  specdec_{f32,bf16}_{k0,adaptive,ngram_k7,eagle_k7}   specdec in one process (all roles embedded, as
+                               `specdec bench`'s in-process methods), torch at 1 thread; the target in
+                               float32, or in bfloat16 with exact numerics; k = 0 (target only), the draft
+                               model adaptive, prompt lookup or the EAGLE head at k = 7 (8 rows).
 decode tok/s counts the tokens after the first over the time after the first token arrived (prompt
 excluded, as llama.cpp's "eval time"); e2e tok/s counts every token over the whole request.
 
@@ -175,17 +176,24 @@ def worker(argv: list[str]) -> None:
     from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig
     from specdec.target.engine import TargetConfig
 
+    from specdec.cli_common import eagle_head_path
+
     prompts = json.loads(Path(a.prompts_json).read_text())
     orch = roles.embedded(TargetConfig(a.target, threads=1, dtype=a.dtype, numerics=a.numerics),
-                          DraftConfig(a.draft, a.target, threads=1),
+                          DraftConfig(a.draft, a.target, threads=1, eagle_head_path=eagle_head_path(None, a.target)),
                           OrchestratorConfig(max_new_tokens_limit=max(2048, a.max_new_tokens)))
-    policies = [("k0", policy(0, False)), ("adaptive", policy(None, False))]
+    # (name, policy, drafter): target only, the draft model adaptive, prompt lookup and the EAGLE
+    # head at 8 verified rows (their best in docs/performance.md 11.4 and 12.2)
+    policies = [("k0", policy(0, False), "model"), ("adaptive", policy(None, False), "model"),
+                ("ngram_k7", policy(7, False), "ngram")]
+    if "eagle" in orch.target.drafters:
+        policies.append(("eagle_k7", policy(7, False), "eagle"))
 
-    async def one(prompt: str, pol) -> dict:
+    async def one(prompt: str, pol, drafter: str) -> dict:
         t0 = time.perf_counter()
         ids, text, first, last, n_first = [], [], None, None, 0
         async for chunk in orch.generate(GenerationRequest(prompt_text=prompt, max_new_tokens=a.max_new_tokens,
-                                                           drafter="model", policy=pol)):
+                                                           drafter=drafter, policy=pol)):
             now = time.perf_counter()
             if chunk.token_ids and first is None:  # k = 0: the prompt's token; adaptive: the first step's
                 first, n_first = now, len(chunk.token_ids)
@@ -199,15 +207,15 @@ def worker(argv: list[str]) -> None:
                 "verify_steps": c.verify_steps, "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens}
 
     async def main() -> None:
-        for _, pol in policies:  # warm-up: first shapes, kernel choices
-            await one(prompts[0], pol)
+        for _, pol, drafter in policies:  # warm-up: first shapes, kernel choices
+            await one(prompts[0], pol, drafter)
         print("ready", flush=True)
         calls = 0
         while line := await asyncio.to_thread(sys.stdin.readline):
             order = policies if calls % 2 == 0 else policies[::-1]
             calls += 1
             prompt = prompts[int(line)]
-            print(json.dumps({name: await one(prompt, pol) for name, pol in order}), flush=True)
+            print(json.dumps({name: await one(prompt, pol, drafter) for name, pol, drafter in order}), flush=True)
 
     asyncio.run(main())
 
@@ -346,6 +354,12 @@ def report(args, prompts: list[str], source: str, rounds: list[dict]) -> dict:
 
     headline = {"specdec_f32_adaptive / llamacpp_f32": ratios("specdec_f32_adaptive", "llamacpp_f32"),
                 "specdec_f32_k0 / llamacpp_f32": ratios("specdec_f32_k0", "llamacpp_f32")}
+    for m in ("specdec_f32_ngram_k7", "specdec_f32_eagle_k7"):
+        if m in med:
+            headline[f"{m} / llamacpp_f32"] = ratios(m, "llamacpp_f32")
+    for m in ("specdec_bf16_ngram_k7", "specdec_bf16_eagle_k7"):
+        if m in med:
+            headline[f"{m} / llamacpp_f16"] = ratios(m, "llamacpp_f16")
     if "specdec_bf16_adaptive" in med:
         headline["specdec_bf16_adaptive / llamacpp_f16"] = ratios("specdec_bf16_adaptive", "llamacpp_f16")
         headline["specdec_bf16_k0 / llamacpp_f16"] = ratios("specdec_bf16_k0", "llamacpp_f16")
