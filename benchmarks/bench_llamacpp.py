@@ -179,8 +179,10 @@ def worker(argv: list[str]) -> None:
     from specdec.cli_common import eagle_head_path
 
     prompts = json.loads(Path(a.prompts_json).read_text())
+    beside = Path(a.target).parent / "eagle"  # the demo head next to the demo target, wherever the pair lies
+    head = eagle_head_path(None, a.target) or (str(beside) if (beside / "config.json").is_file() else None)
     orch = roles.embedded(TargetConfig(a.target, threads=1, dtype=a.dtype, numerics=a.numerics),
-                          DraftConfig(a.draft, a.target, threads=1, eagle_head_path=eagle_head_path(None, a.target)),
+                          DraftConfig(a.draft, a.target, threads=1, eagle_head_path=head),
                           OrchestratorConfig(max_new_tokens_limit=max(2048, a.max_new_tokens)))
     # (name, policy, drafter): target only, the draft model adaptive, prompt lookup and the EAGLE
     # head at 8 verified rows (their best in docs/performance.md 11.4 and 12.2)
