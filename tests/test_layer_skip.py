@@ -109,6 +109,11 @@ def test_inside_the_verifier_it_drafts_over_the_sessions_own_cache_and_never_cha
         assert torch.equal(engine.runner.read_kv(state.cache, 0, state.valid_len),
                            engine.runner.read_kv(other.cache, 0, other.valid_len))
     assert len(proposal.token_ids) == 4
+    # A block planned before the last step (the verifier has moved on) drafts nothing and writes nothing.
+    kept = engine.runner.read_kv(state.cache, 0, state.valid_len).clone()
+    stale = list(state.committed[:-3]) + [(state.committed[-3] + 1) % 50]
+    assert session.propose(stale, 4).token_ids == () and session.propose(state.committed[:-2], 4).token_ids == ()
+    assert torch.equal(engine.runner.read_kv(state.cache, 0, state.valid_len), kept)
 
 
 async def test_inside_the_verifier_greedy_equals_target_only(tiny_pair, redis_url):

@@ -146,8 +146,12 @@ class SharedLayerSkipSession:
         if state is None or num_speculative_tokens <= 0:
             return DraftProposal(())
         decoder = self._verifier.decoder
-        start = min(state.valid_len, len(committed) - 1)  # before it: the target's own keys and values
-        logits = decoder.partial_forward(state.cache, list(committed[start:]), start, self._layers)[-1]
+        valid = state.valid_len  # positions before it hold committed tokens' keys and values: never written here
+        if len(committed) <= valid or list(committed[:valid]) != state.committed[:valid]:
+            # Drafted for a sequence the verifier has moved past (a pre-draft planned before its last
+            # step): its rows would land on committed positions.
+            return DraftProposal((), None, time.perf_counter_ns() - t0)
+        logits = decoder.partial_forward(state.cache, list(committed[valid:]), valid, self._layers)[-1]
         position = len(committed)
         tokens, dists, alternatives = [], [], []
         for i in range(num_speculative_tokens):
