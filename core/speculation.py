@@ -269,14 +269,16 @@ class SpeculationController:
         elif self._in_mode >= self._explore_after and self._k > 0:  # at k = 0 the mode makes no difference
             self._overlap, self._in_mode, self._exploring = not self._overlap, 0, True
 
-    def _best_k(self, costs: StepCostModel) -> tuple[int, float]:
-        """The k that maximises expected committed tokens per second under ``costs``, and that rate."""
-        alpha = self.alpha
+    def _cost(self, costs: StepCostModel):
+        """A step's cost as a function of k: ``costs``' measured seconds, or 1 + c k before any step."""
         if costs.steps == 0:
             c = self.policy.draft_cost_ratio
-            cost = lambda k: 1.0 + c * k  # noqa: E731
-        else:
-            cost = costs.seconds
+            return lambda k: 1.0 + c * k
+        return costs.seconds
+
+    def _best_k(self, costs: StepCostModel) -> tuple[int, float]:
+        """The k that maximises expected committed tokens per second under ``costs``, and that rate."""
+        alpha, cost = self.alpha, self._cost(costs)
         rates = [expected_tokens(alpha, k) / cost(k) for k in range(self.policy.max_speculative_tokens + 1)]
         k = max(range(len(rates)), key=rates.__getitem__)  # the smallest k of the best rate
         return k, rates[k]
@@ -320,11 +322,7 @@ class TreeBudgetController(SpeculationController):
         return chain * self._tokens[near].get(1.0) / expected_tokens(self.alpha, near)
 
     def _best_k(self, costs: StepCostModel) -> tuple[int, float]:
-        if costs.steps == 0:
-            c = self.policy.draft_cost_ratio
-            cost = lambda k: 1.0 + c * k  # noqa: E731
-        else:
-            cost = costs.seconds
+        cost = self._cost(costs)
         rates = {k: self.tokens_per_step(k) / cost(k) for k in self.ladder}
         k = max(self.ladder, key=lambda b: (rates[b], -b))  # the smallest budget of the best rate
         return k, rates[k]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -36,7 +37,7 @@ from specdec.core.sampling import SamplingParams
 from specdec.core.steps import DraftProposal
 from specdec.core.tree import ROOT, depths
 from specdec.draft.base import DraftConfig
-from specdec.draft.model_drafter import pick_draft_token
+from specdec.draft.model_drafter import draft_chain
 from specdec.draft.tree_drafter import grow_tree
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -73,22 +74,16 @@ class EagleDraftSession:
     def propose(self, committed: Sequence[int], num_speculative_tokens: int, num_alternatives: int = 0,
                 interrupt: Callable[[], bool] | None = None) -> DraftProposal:
         t0 = time.perf_counter_ns()
-        n = len(committed)
-        tokens, dists, alternatives = [], [], []
+        proposal = DraftProposal(())
         with self._rolled_back(committed) as ready:
-            for i in range(num_speculative_tokens if ready else 0):
-                if tokens and interrupt is not None and interrupt():
-                    break
-                logits = self._head.logits(self._prediction)[0]  # [vocab]: token at position n + i
-                token, dist, alt, _ = pick_draft_token(logits, n + i, self._sampling, self._top_k, num_alternatives)
-                tokens.append(token)
-                if dist is not None:
-                    dists.append(dist)
-                if num_alternatives:
-                    alternatives.append(alt)
-                if i + 1 < num_speculative_tokens:
-                    self._prediction = self._step(self._prediction, token, n - 1 + i)
-        return DraftProposal(tuple(tokens), tuple(dists) if dists else None, time.perf_counter_ns() - t0, tuple(alternatives))
+            if ready:
+                def step(token: int, position: int) -> torch.Tensor:  # the token at position, fed at the head's position - 1
+                    self._prediction = self._step(self._prediction, token, position - 1)
+                    return self._head.logits(self._prediction)[0]
+
+                proposal = draft_chain(self._head.logits(self._prediction)[0], len(committed), num_speculative_tokens,
+                                       self._sampling, self._top_k, num_alternatives, step, interrupt)
+        return dataclasses.replace(proposal, draft_time_ns=time.perf_counter_ns() - t0)
 
     def propose_tree(self, committed: Sequence[int], budget: int, interrupt: Callable[[], bool] | None = None) -> DraftProposal:
         """A dynamic tree of at most ``budget`` nodes (EAGLE-2: grown where the head is unsure;

@@ -165,14 +165,13 @@ class _Trie:
 
     def add(self, path: Sequence[int], budget: int) -> list[int] | None:
         """The path's node indices; None (nothing added) when it would take more than ``budget`` nodes."""
-        nodes, parent, new = [], ROOT, 0
+        parent, known = ROOT, 0  # the path's leading nodes already in the trie
         for token in path:
             node = self._children.get((parent, token))
             if node is None:
-                new += 1
-            nodes.append(node)
-            parent = node if node is not None else -2  # (a new node's children are new too)
-        if len(self.tokens) + new > budget:
+                break
+            parent, known = node, known + 1
+        if len(self.tokens) + len(path) - known > budget:
             return None
         parent, out = ROOT, []
         for token in path:

@@ -22,6 +22,7 @@ rolling back is free: the committed positions are never written (`tests/test_lay
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
@@ -34,7 +35,7 @@ from specdec.core.sampling import SamplingParams
 from specdec.core.speculation import expected_tokens
 from specdec.core.steps import DraftProposal
 from specdec.draft.base import DraftConfig
-from specdec.draft.model_drafter import ModelDrafter, ModelDraftSession, pick_draft_token, resolve_draft_dtype
+from specdec.draft.model_drafter import ModelDrafter, ModelDraftSession, draft_chain, resolve_draft_dtype
 
 CALIBRATION_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the arguments and run.\"\"\"\n"
 CALIBRATION_TOKENS = 96  # the full target's greedy continuation the subsets are scored on
@@ -152,21 +153,10 @@ class SharedLayerSkipSession:
             # step): its rows would land on committed positions.
             return DraftProposal((), None, time.perf_counter_ns() - t0)
         logits = decoder.partial_forward(state.cache, list(committed[valid:]), valid, self._layers)[-1]
-        position = len(committed)
-        tokens, dists, alternatives = [], [], []
-        for i in range(num_speculative_tokens):
-            if tokens and interrupt is not None and interrupt():
-                break
-            token, dist, alt, _ = pick_draft_token(logits, position, self._sampling, self._top_k, num_alternatives)
-            tokens.append(token)
-            if dist is not None:
-                dists.append(dist)
-            if num_alternatives:
-                alternatives.append(alt)
-            if i + 1 < num_speculative_tokens:
-                logits = decoder.partial_forward(state.cache, [token], position, self._layers)[-1]
-            position += 1
-        return DraftProposal(tuple(tokens), tuple(dists) if dists else None, time.perf_counter_ns() - t0, tuple(alternatives))
+        proposal = draft_chain(logits, len(committed), num_speculative_tokens, self._sampling, self._top_k, num_alternatives,
+                               lambda token, position: decoder.partial_forward(state.cache, [token], position, self._layers)[-1],
+                               interrupt)
+        return dataclasses.replace(proposal, draft_time_ns=time.perf_counter_ns() - t0)
 
 
 class SharedLayerSkipDrafter:

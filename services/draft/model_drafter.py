@@ -85,6 +85,27 @@ def pick_draft_token(logits: torch.Tensor, position: int, sampling: SamplingPara
     return token, dist, alternatives, 1.0 if confidence is None else float(confidence)
 
 
+def draft_chain(logits: torch.Tensor, position: int, length: int, sampling: SamplingParams, top_k: int,
+                num_alternatives: int, step: Callable[[int, int], torch.Tensor],
+                interrupt: Callable[[], bool] | None = None) -> DraftProposal:
+    """A chain of up to ``length`` draft tokens: ``logits`` [vocab] propose ``position``; each token is
+    picked by `pick_draft_token`, then ``step(token, its position)`` gives the next position's logits
+    (not called after the last). ``interrupt`` is polled between tokens. draft_time_ns is left 0."""
+    tokens, dists, alternatives = [], [], []
+    for i in range(length):
+        if tokens and interrupt is not None and interrupt():
+            break
+        token, dist, alt, _ = pick_draft_token(logits, position + i, sampling, top_k, num_alternatives)
+        tokens.append(token)
+        if dist is not None:
+            dists.append(dist)
+        if num_alternatives:
+            alternatives.append(alt)
+        if i + 1 < length:
+            logits = step(token, position + i)
+    return DraftProposal(tuple(tokens), tuple(dists) if dists else None, 0, tuple(alternatives))
+
+
 class ModelDraftSession:
     def __init__(self, model: torch.nn.Module, decoder: LlamaDecoder | None, sampling: SamplingParams, proposal_top_k: int,
                  runner=None, min_confidence: float = 0.0) -> None:
