@@ -7,10 +7,11 @@ Methods, greedy, on the prompts `specdec bench` uses (the pair's held-out files)
 prompt (every method runs each prompt in turn, the order rotating), medians over rounds:
   llamacpp_f32, llamacpp_f16   llama.cpp target-only (`llama-completion -t 1 --temp 0`), GGUF f32 / f16
   llamabench_f32, llamabench_f16   `llama-bench -t 1 -p 0 -n N`: pure decode from an empty context
-  specdec_{f32,bf16}_{k0,adaptive,ngram_k7,eagle_k7}   specdec in one process (all roles embedded, as
+  specdec_{f32,bf16}_{k0,adaptive,ngram_k7,ngram_k3,ngram_adaptive,eagle_k7}   specdec in one process (all roles embedded, as
                                `specdec bench`'s in-process methods), torch at 1 thread; the target in
                                float32, or in bfloat16 with exact numerics; k = 0 (target only), the draft
-                               model adaptive, prompt lookup or the EAGLE head at k = 7 (8 rows).
+                               model adaptive, prompt lookup at k = 7 (8 rows), k = 3 or adaptive k,
+                               or the EAGLE head at k = 7.
 decode tok/s counts the tokens after the first over the time after the first token arrived (prompt
 excluded, as llama.cpp's "eval time"); e2e tok/s counts every token over the whole request.
 
@@ -187,7 +188,8 @@ def worker(argv: list[str]) -> None:
     # (name, policy, drafter): target only, the draft model adaptive, prompt lookup and the EAGLE
     # head at 8 verified rows (their best in docs/performance.md 11.4 and 12.2)
     policies = [("k0", policy(0, False), "model"), ("adaptive", policy(None, False), "model"),
-                ("ngram_k7", policy(7, False), "ngram")]
+                ("ngram_k7", policy(7, False), "ngram"), ("ngram_k3", policy(3, False), "ngram"),
+                ("ngram_adaptive", policy(None, False), "ngram")]  # fewer rows: where a CPU's 8-row step costs far more than 1
     if "eagle" in orch.target.drafters:
         policies.append(("eagle_k7", policy(7, False), "eagle"))
 
@@ -356,10 +358,10 @@ def report(args, prompts: list[str], source: str, rounds: list[dict]) -> dict:
 
     headline = {"specdec_f32_adaptive / llamacpp_f32": ratios("specdec_f32_adaptive", "llamacpp_f32"),
                 "specdec_f32_k0 / llamacpp_f32": ratios("specdec_f32_k0", "llamacpp_f32")}
-    for m in ("specdec_f32_ngram_k7", "specdec_f32_eagle_k7"):
+    for m in ("specdec_f32_ngram_k7", "specdec_f32_ngram_k3", "specdec_f32_ngram_adaptive", "specdec_f32_eagle_k7"):
         if m in med:
             headline[f"{m} / llamacpp_f32"] = ratios(m, "llamacpp_f32")
-    for m in ("specdec_bf16_ngram_k7", "specdec_bf16_eagle_k7"):
+    for m in ("specdec_bf16_ngram_k7", "specdec_bf16_ngram_k3", "specdec_bf16_ngram_adaptive", "specdec_bf16_eagle_k7"):
         if m in med:
             headline[f"{m} / llamacpp_f16"] = ratios(m, "llamacpp_f16")
     if "specdec_bf16_adaptive" in med:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdec.core import native_kernels
 from specdec.core.kv_slots import DecodeCache, SlotPool
 
 KEY_BLOCK = 64  # keys are padded to a multiple of this many positions
@@ -114,8 +115,11 @@ class ExactGroup:
     below ``limits`` (causal attention), or where ``allowed`` [Ng, length] is True; with ``positions``
     given, its new key and value are written there first. Query rows go in tiles of ``tile`` rows by
     ``row_in_seq`` (default: the decoder's plan for the longest sequence here); a tile's padding rows
-    see position 0 only, and their output is dropped.
+    see position 0 only, and their output is dropped. Where the decoder runs native kernels
+    (``dec.native_ops``) each row attends alone instead (core/native/kernels.c): no tiles, no padding.
     """
+
+    native = False
 
     def __init__(self, dec, layer_kv: KVOfLayer, num_slots: int, rows: torch.Tensor, slots: torch.Tensor,
                  row_in_seq: torch.Tensor, limits: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
@@ -124,6 +128,11 @@ class ExactGroup:
         self.layer_kv = layer_kv
         self.num_slots = num_slots
         self.out_dtype = dec.dtype  # the model's; `verify` reads the float32 result itself
+        self.write = None if positions is None else (_as_slice(rows), slots, positions)
+        self.first_position = None if positions is None else int(positions[0])
+        if getattr(dec, "native_ops", False):
+            self._native_init(rows, slots, row_in_seq, limits, allowed, positions)
+            return
         length = allowed.shape[1] if allowed is not None else int(limits.max())
         self.length = L = round_up(length, KEY_BLOCK)
         self.tile = tile = tile or dec.exact_plan.tile(int(row_in_seq.max()) + 1)
@@ -147,29 +156,52 @@ class ExactGroup:
             self.tiles.append((_as_slice(rows[sel]), slots[sel], place, bias))
         self.rows = torch.cat([rows[(row_in_seq // tile) == t] for t in range(len(self.tiles))])  # attend()'s row order
         self.in_order = bool(torch.equal(self.rows, torch.arange(len(self.rows))))
-        self.write = None if positions is None else (_as_slice(rows), slots, positions)
         # One sequence in one tile, rows in order: slices instead of index_put and gathers (a step's usual case).
         n = len(rows)
         self.one = (S == 1 and len(self.tiles) == 1 and isinstance(self.tiles[0][0], slice)
                     and bool(torch.equal(row_in_seq, torch.arange(n)))
                     and (positions is None or bool(torch.equal(positions, torch.arange(int(positions[0]), int(positions[0]) + n)))))
-        self.first_position = None if positions is None else int(positions[0])
+
+    def _native_init(self, rows: torch.Tensor, slots: torch.Tensor, row_in_seq: torch.Tensor, limits: torch.Tensor | None,
+                     allowed: torch.Tensor | None, positions: torch.Tensor | None) -> None:
+        """The native kernel's plan (core/native_kernels.py): every row over its own keys, no tiles or
+        padding; a masked row sees keys up to its last allowed one."""
+        self.native = True
+        self.rows = rows
+        self.in_order = bool(torch.equal(rows, torch.arange(len(rows))))
+        self.query_rows = _as_slice(rows)
+        self.slots = slots.to(torch.int64).contiguous()
+        if allowed is not None:
+            self.allowed = allowed.to(torch.uint8).contiguous()
+            self.limits = (allowed.shape[1] - self.allowed.flip(1).argmax(1)).contiguous()
+        else:
+            self.allowed, self.limits = None, limits.to(torch.int64).contiguous()
+        self.scratch = torch.empty(int(self.limits.max()) + 64)
+        n = len(rows)
+        self.one = (self.num_slots == 1 and isinstance(self.write[0] if self.write else None, slice)
+                    and positions is not None and bool(torch.equal(positions, torch.arange(int(positions[0]), int(positions[0]) + n))))
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        rows, slots, positions = self.write
+        if self.one:
+            p, n = self.first_position, len(positions)
+            keys[0, :, p:p + n] = k[rows].transpose(0, 1)  # [kv, n, d]
+            values[0, :, p:p + n] = v[rows].transpose(0, 1)
+        else:
+            keys[slots, :, positions] = k[rows]  # [Ng, kv, d]
+            values[slots, :, positions] = v[rows]
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Layer i: q [N, h, d], k and v [N, kv, d] of the whole batch; this group's rows, [Ng, h * d]."""
         dec = self.dec
         kv, d = dec.n_kv, dec.head_dim
-        g, tile, S, L = dec.n_heads // kv, self.tile, self.num_slots, self.length
         keys, values = self.layer_kv(i)  # [S, kv, >= L, d]
         if self.write is not None:
-            rows, slots, positions = self.write
-            if self.one:
-                p, n = self.first_position, len(positions)
-                keys[0, :, p:p + n] = k[rows].transpose(0, 1)  # [kv, n, d]
-                values[0, :, p:p + n] = v[rows].transpose(0, 1)
-            else:
-                keys[slots, :, positions] = k[rows]  # [Ng, kv, d]
-                values[slots, :, positions] = v[rows]
+            self._write(keys, values, k, v)
+        if self.native:
+            return native_kernels.attention(q[self.query_rows].float(), keys, values, self.slots, self.limits, self.allowed,
+                                            1.0 / math.sqrt(d), self.scratch)
+        g, tile, S, L = dec.n_heads // kv, self.tile, self.num_slots, self.length
         # float32 whatever the model's dtype: oneDNN's bf16 batched matmul picks its kernel by the whole
         # problem's size (one item of M = 2 and one of M = 6 differ in the last bit), MKL's fp32 one by
         # the item's shape only. The upcast copies keys and values (for float32 it is a view: no copy).
@@ -418,9 +450,12 @@ def verify(dec, shapes: Sequence[tuple[int, int]], make_linear: Callable[[torch.
         inter = torch.randn(rows, 2 * dec.intermediate, generator=gen).to(dec.dtype)
         qk = torch.randn(rows, (dec.n_heads + dec.n_kv) * dec.head_dim, generator=gen).to(dec.dtype)
         rotary = dec.rotary[torch.arange(rows) % dec.context_length]
+        # the decoder's own ops where it has them (the lean decoder's may be native), else PyTorch's
+        norm = getattr(dec, "norm", lambda rows, weight: F.rms_norm(rows, (hidden,), weight, dec.eps))
+        swiglu = getattr(dec, "swiglu", lambda rows: (lambda gate, up: F.silu(gate) * up)(*rows.chunk(2, dim=-1)))
         checks = {
-            "RMSNorm": lambda lo, hi: F.rms_norm(x[lo:hi], (hidden,), w, dec.eps),
-            "SwiGLU": lambda lo, hi: (lambda gate, up: F.silu(gate) * up)(*inter[lo:hi].chunk(2, dim=-1)),
+            "RMSNorm": lambda lo, hi: norm(x[lo:hi], w),
+            "SwiGLU": lambda lo, hi: swiglu(inter[lo:hi]),
             "rotary": lambda lo, hi: dec.rotate(qk[lo:hi], rotary[lo:hi]),
         }
         for name, run in checks.items():

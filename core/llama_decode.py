@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.core import exact_ops
+from specdec.core import exact_ops, native_kernels
 from specdec.core.cpu_features import describe_cpu, native_bf16
 from specdec.core.kv_slots import DecodeCache, SlotPool
 from specdec.core.models import WeightRelease, restore_weights, weights_released
@@ -147,25 +147,31 @@ def _onednn_linear(weight: torch.Tensor, rows_hint: int, check: bool = True) -> 
 
 
 NUMERICS = ("fast", "exact")
-KERNELS = ("packed", "plain", "transposed")
-MULTI_ROW_KERNELS = ("packed", "transposed")  # F.linear loses to both from a few rows up
+KERNELS = ("packed", "plain", "transposed", "native")
+MULTI_ROW_KERNELS = ("packed", "transposed", "native")  # F.linear loses to these from a few rows up
 MEASURE_ROWS = 4  # the rows of a k = 3 verification: what "more rows" is timed at
 WARMUP_REPS, TIMED_REPS = 2, 7  # calls of each kernel at load: the first warm up, the median of the rest decides
 MIN_TIMED_REPS, TIMING_BUDGET_S = 3, 0.05  # a weight whose calls take longer times fewer: large calls vary little
 
 
+def native_usable(dtype: torch.dtype) -> bool:
+    """Whether specdec's own kernel (core/native_kernels.py) can run this dtype's linears here."""
+    return dtype == torch.float32 and native_kernels.available()
+
+
 class _Layouts:
     """One weight, in the layouts its calls use, and which kernel runs single-row calls (``one``)
     and calls of more rows (``many``): "packed" (oneDNN, prepacked), "plain" (``F.linear`` on the
-    [out, in] weight) or "transposed" (``torch.mm`` on an [in, out] copy: MKL's GEMM without a
+    [out, in] weight), "transposed" (``torch.mm`` on an [in, out] copy: MKL's GEMM without a
     transposed operand, which on an Intel Xeon here ran a demo target forward's linears at one row in
-    4.3 ms against 6.1 plain and 7.4 packed on one thread, and 2.0 against 3.5 and 4.6 on two).
+    4.3 ms against 6.1 plain and 7.4 packed on one thread, and 2.0 against 3.5 and 4.6 on two) or
+    "native" (core/native_kernels.py, float32 where it builds).
     Layouts no chosen kernel uses are dropped, so at most two copies of the weight stay."""
 
-    __slots__ = ("packed", "weight", "transposed", "one", "many", "shape")
+    __slots__ = ("packed", "weight", "transposed", "native", "one", "many", "shape")
 
     def __init__(self, packed: Linear | None, weight: torch.Tensor) -> None:
-        self.packed, self.weight, self.transposed = packed, weight, None  # the copy only once a kernel needs it
+        self.packed, self.weight, self.transposed, self.native = packed, weight, None, None  # copies only once a kernel needs them
         self.shape = tuple(weight.shape)  # [out, in], kept when the plain layout is dropped
         self.one = self.many = packed
 
@@ -175,6 +181,10 @@ class _Layouts:
         if name == "plain":
             weight = self.weight
             return lambda x: F.linear(x, weight)
+        if name == "native":
+            if self.native is None:
+                self.native = native_kernels.NativeLinear(self.weight)
+            return self.native
         if self.transposed is None:
             self.transposed = self.weight.t().contiguous()
         transposed = self.transposed
@@ -189,6 +199,8 @@ class _Layouts:
             self.weight = None
         if "transposed" not in kept:
             self.transposed = None
+        if "native" not in kept:
+            self.native = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.one(x) if x.shape[0] == 1 else self.many(x)
@@ -278,10 +290,13 @@ class LlamaDecoder:
             self.embed = self._cast(base.embed_tokens.weight)
             self.final_norm = self._cast(base.norm.weight)
             layers = list(base.layers)
-            if self.exact:
-                self.kernels = ("packed", "packed") if self._packing_works() else ("plain", "plain")  # one kernel, never timed
+            if self.exact:  # one kernel, never timed
+                self.kernels = (("native", "native") if native_usable(dtype) else
+                                ("packed", "packed") if self._packing_works() else ("plain", "plain"))
             else:
                 self.kernels = self._choose_kernels(model, single_row, multi_row, one_layout=layouts_per_weight == 1)
+            # exact numerics on native kernels: norms, SwiGLU, rotary and attention in C too (one call each, not ~10 ops)
+            self.native_ops = self.exact and self.kernels == ("native", "native")
             # the model's copy of each weight goes as soon as this decoder's arrives
             release = WeightRelease(model, keep) if own_weights else (lambda *modules: None)
 
@@ -342,6 +357,8 @@ class LlamaDecoder:
         one, many = kernels or self.kernels
         if (one, many) == ("plain", "plain"):
             return _PlainLinear(weight)
+        if (one, many) == ("native", "native"):
+            return native_kernels.NativeLinear(weight)  # its panels alone: the weight held once
         every = (one, many) == ("measure", "measure")
         packed = None
         shape = tuple(weight.shape)
@@ -357,6 +374,8 @@ class LlamaDecoder:
 
     def _exact_linear(self, weight: torch.Tensor) -> Linear:
         """The kernel exact mode runs ``weight`` [out, in] (this decoder's dtype) with: what `verify` checks."""
+        if self.kernels == ("native", "native"):
+            return native_kernels.NativeLinear(weight)
         packed = _onednn_linear(weight, self.pack_rows) if self.pack_rows else None
         if packed is None:
             return _PlainLinear(weight)
@@ -386,9 +405,9 @@ class LlamaDecoder:
     @staticmethod
     def _check_kernel_names(single_row: str, multi_row: str) -> tuple[str, str]:
         if single_row not in ("measure", *KERNELS):
-            raise ValueError(f"single_row must be measure, packed, plain or transposed; got {single_row!r}")
+            raise ValueError(f"single_row must be measure, packed, plain, transposed or native; got {single_row!r}")
         if multi_row not in ("measure", *MULTI_ROW_KERNELS):
-            raise ValueError(f"multi_row must be measure, packed or transposed; got {multi_row!r}")
+            raise ValueError(f"multi_row must be measure, packed, transposed or native; got {multi_row!r}")
         return single_row, multi_row
 
     def _packing_works(self) -> bool:
@@ -404,6 +423,9 @@ class LlamaDecoder:
         time for both row counts serves both: two kernels would keep two copies of every weight.
         Returns (single-row kernel, multi-row kernel)."""
         self._check_kernel_names(single_row, multi_row)
+        if "native" in (single_row, multi_row) and not native_usable(self.dtype):
+            raise ValueError(f"the native kernel runs float32 on a CPU with AVX2 and FMA or AVX-512, built by a C compiler; "
+                             f"not available for {self.dtype} here ({describe_cpu()}): use packed")
         if not self._packing_works():
             return "plain", "plain"
         if "measure" not in (single_row, multi_row):
@@ -413,8 +435,9 @@ class LlamaDecoder:
         samples = [(model.lm_head.weight, 1)] + [(w, len(base.layers)) for w in (
             self._qkv_weight(first.self_attn), first.self_attn.o_proj.weight, self._gate_up_weight(first.mlp), first.mlp.down_proj.weight)]
         shared = one_layout and single_row == multi_row == "measure"  # one kernel for both: one that runs any rows
-        one_times = {name: [0.0] * TIMED_REPS for name in (MULTI_ROW_KERNELS if shared else KERNELS)}  # a forward's seconds, per sample
-        many_times = {name: [0.0] * TIMED_REPS for name in MULTI_ROW_KERNELS}
+        here = lambda names: tuple(n for n in names if n != "native" or native_usable(self.dtype))  # noqa: E731
+        one_times = {name: [0.0] * TIMED_REPS for name in here(MULTI_ROW_KERNELS if shared else KERNELS)}  # a forward's seconds, per sample
+        many_times = {name: [0.0] * TIMED_REPS for name in here(MULTI_ROW_KERNELS)}
         while samples:  # one weight's layouts at a time: the transient copies stay small
             weight, count = samples.pop(0)
             layouts = self._linear(weight, ("measure", "measure"))
@@ -427,7 +450,7 @@ class LlamaDecoder:
         one = single_row if single_row != "measure" else fastest(one_times)
         many = multi_row if multi_row != "measure" else fastest(many_times)
         if shared and one != many:
-            both = {name: [a + b for a, b in zip(one_times[name], many_times[name])] for name in MULTI_ROW_KERNELS}
+            both = {name: [a + b for a, b in zip(one_times[name], many_times[name])] for name in many_times}
             one = many = fastest(both)
         return one, many
 
@@ -517,7 +540,7 @@ class LlamaDecoder:
             self.pool.fill_to(cache.slab, cache.slot, end)
         mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start) if n > 1 else None
         x = self.layers_forward(self.embed[torch.tensor(token_ids)], self.rotary[start:end], cache.buf, start, mask, layers)
-        return self.lm_head(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps)).float()
+        return self.lm_head(self.norm(x, self.final_norm)).float()
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Rows ``q`` [n, h, d] over ``keys``/``values`` [kv, L, d]: [n, h * d]."""
@@ -529,9 +552,24 @@ class LlamaDecoder:
         )  # [1, h, n, d]
         return att[0].transpose(0, 1).reshape(n, h * d)
 
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of rows ``x`` [n, hidden] with ``weight``."""
+        if self.native_ops:
+            return native_kernels.rms_norm(x, weight, self.eps)
+        return F.rms_norm(x, (self.hidden,), weight, self.eps)
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of rows [gate | up] [n, 2 * intermediate]."""
+        if self.native_ops:
+            return native_kernels.swiglu(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def rotate(self, qk: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
         """q and k rows ``qk`` [n, (h + kv) * d] turned by ``rotary`` [n, 1, d/2]: [n, h + kv, d]."""
         n, heads = qk.shape[0], self.n_heads + self.n_kv
+        if self.native_ops:
+            return native_kernels.rotary(qk, heads, self.head_dim, torch.view_as_real(rotary).contiguous())
         pairs = torch.view_as_complex(qk.float().reshape(n, heads, self.head_dim // 2, 2))  # [n, h + kv, d/2]
         return torch.view_as_real(pairs * rotary).reshape(n, heads, self.head_dim).to(self.dtype)
 
@@ -543,14 +581,12 @@ class LlamaDecoder:
         ``only``: run these layers alone (a layer-skip draft)."""
         n = x.shape[0]
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
-        shape = (self.hidden,)
         for i in (range(len(self.layers)) if only is None else only):
             ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj = self.layers[i]
-            qkv = qkv_proj(F.rms_norm(x, shape, ln1, self.eps))  # [n, (h + 2kv) * d]
+            qkv = qkv_proj(self.norm(x, ln1))  # [n, (h + 2kv) * d]
             qk = self.rotate(qkv[:, : (h + kv) * d], rotary)  # rotated q and k [n, h + kv, d]
             x = x + o_proj(attend(i, qk[:, :h], qk[:, h:], qkv[:, (h + kv) * d :].view(n, kv, d)))
-            gate, up = gate_up_proj(F.rms_norm(x, shape, ln2, self.eps)).chunk(2, dim=-1)
-            x = x + down_proj(F.silu(gate) * up)
+            x = x + down_proj(self.swiglu(gate_up_proj(self.norm(x, ln2))))
         return x
 
     @torch.inference_mode()
@@ -614,7 +650,7 @@ class LlamaDecoder:
         x = self.layers_with(x, rotary, attend)
         self.last_features = final_features(x, offsets, num_features, self.final_norm, self.eps)
         rows = torch.tensor([r for b, m in enumerate(num_last) for r in range(offsets[b + 1] - m, offsets[b + 1])])
-        logits = self.lm_head(F.rms_norm(x[rows], (self.hidden,), self.final_norm, self.eps)).float()  # [sum(num_last), vocab]
+        logits = self.lm_head(self.norm(x[rows], self.final_norm)).float()  # [sum(num_last), vocab]
         return list(logits.split(num_last))
 
     def keep_path(self, cache: DecodeCache, first: int, path: Sequence[int]) -> None:
@@ -647,7 +683,7 @@ class LlamaDecoder:
             self.pool.wrote(cache.slab, cache.slot, start, end)
         if num_last is not None:
             x = x[-num_last:]
-        return self.lm_head(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps)).float()  # [rows, vocab]
+        return self.lm_head(self.norm(x, self.final_norm)).float()  # [rows, vocab]
 
 
 class _AloneAttention:

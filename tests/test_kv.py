@@ -7,7 +7,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specdec.core.kv import KVSequence
 from specdec.core.runner import crop_to
-from specdec.core.llama_decode import LlamaDecoder, native_bf16, supports
+from specdec.core.llama_decode import LlamaDecoder, native_bf16, native_usable, supports
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +75,14 @@ def test_lean_cache_grows_past_its_first_allocation_and_matches_hf(pack_rows):
 
 
 @pytest.mark.parametrize("single_row,multi_row", [("packed", "packed"), ("plain", "packed"), ("transposed", "packed"),
-                                                   ("plain", "transposed"), ("measure", "measure")])
+                                                   ("plain", "transposed"), ("native", "packed"), ("plain", "native"),
+                                                   ("native", "native"), ("measure", "measure")])
 def test_every_kernel_matches_hf_one_token_at_a_time_and_in_blocks(model, single_row, multi_row):
     """Single-row calls and calls of more rows each go to the kernel that measured fastest (or the
     one asked for): the numbers stay the HF forward's whichever runs, one token per step or
     several, and only the layouts the chosen kernels use are kept."""
+    if "native" in (single_row, multi_row) and not native_usable(torch.float32):
+        pytest.skip("specdec's native kernel does not build here (no C compiler, or no AVX2 with FMA)")
     dec = LlamaDecoder(model, single_row=single_row, multi_row=multi_row)
     ids = [(i * 13) % 97 for i in range(40)]
     kv = KVSequence(model, dec)
@@ -90,8 +93,8 @@ def test_every_kernel_matches_hf_one_token_at_a_time_and_in_blocks(model, single
     if single_row != "measure":
         assert (one, many) == (single_row, multi_row)
     for f in dec._layouts():
-        kept = {name for name, copy in (("packed", f.packed), ("plain", f.weight), ("transposed", f.transposed))
-                if copy is not None}
+        kept = {name for name, copy in (("packed", f.packed), ("plain", f.weight), ("transposed", f.transposed),
+                                        ("native", f.native)) if copy is not None}
         assert kept == {one, many}
 
 
@@ -103,9 +106,9 @@ def test_a_kernel_is_chosen_by_its_measured_time():
     assert fastest({"packed": [7.4, 7.3, 7.5], "transposed": [5.0, 9.0, 9.1]}) == "packed"  # one fast sample does not decide
     tiny = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=4, max_position_embeddings=64)).eval()
-    with pytest.raises(ValueError, match="measure, packed, plain or transposed"):
+    with pytest.raises(ValueError, match="measure, packed, plain, transposed or native"):
         LlamaDecoder(tiny, single_row="mkl")
-    with pytest.raises(ValueError, match="multi_row must be measure, packed or transposed"):
+    with pytest.raises(ValueError, match="multi_row must be measure, packed, transposed or native"):
         LlamaDecoder(tiny, multi_row="plain")
 
 

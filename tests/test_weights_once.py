@@ -130,7 +130,8 @@ def test_one_layout_per_weight_runs_one_kernel_when_measured_kernels_differ(fold
     """Timed kernels: one-row calls fastest on the plain weight, more rows on the packed one. By default
     a decoder keeps both layouts (two copies); with one layout per weight it runs one kernel for both,
     the one fastest over both row counts of those that run any rows, and keeps one copy."""
-    fake = {1: {"packed": 5.0, "plain": 1.0, "transposed": 4.0}, llama_decode.MEASURE_ROWS: {"packed": 1.0, "transposed": 3.0}}
+    fake = {1: {"packed": 5.0, "plain": 1.0, "transposed": 4.0, "native": 6.0},
+            llama_decode.MEASURE_ROWS: {"packed": 1.0, "transposed": 3.0, "native": 2.0}}
 
     def timed(self, layouts, rows, names):
         return {name: [fake[rows][name]] * llama_decode.TIMED_REPS for name in names}

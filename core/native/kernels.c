@@ -1,0 +1,285 @@
+/* specdec's float32 kernels, batch-invariant by construction: the linears (y = x @ W^T) and the
+ * per-row ops of exact numerics (RMSNorm, SwiGLU, rotary, attention).
+ *
+ * Linears:
+ *
+ * Every output element is one chain of fused multiply-adds over k = 0..K-1, in that order, starting
+ * from zero, whatever the number of rows, the row's place, the column split between threads or the
+ * panel it falls in: a row's result has the same bits alone or in any batch (core/native_kernels.py).
+ *
+ * W is packed once into panels of NR columns, [panels][k][NR] (zero columns past n), so a panel is
+ * one contiguous stream; a call walks row blocks of MC rows, and within each, panels, and within
+ * each panel, micro-blocks of up to MR rows whose accumulators stay in registers. Built on the
+ * machine that runs it (-march=native): AVX-512 or AVX2 with FMA, chosen by the compiler's macros.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define LANES 16
+#define MR 8
+#define ACC 24
+typedef __m512 vf;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSET1(s) _mm512_set1_ps(s)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+#define MR 6
+#define ACC 12
+typedef __m256 vf;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSET1(s) _mm256_set1_ps(s)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#else
+#error "specdec's native kernels need AVX2 with FMA or AVX-512"
+#endif
+
+#define NR (2 * LANES)
+#define MC 64
+
+int specdec_panel_width(void) { return NR; }
+int specdec_rows_per_block(void) { return MR; }
+
+/* np panels side by side for mr rows: few rows alone leave the FMA units waiting on each chain's
+ * latency, so they take more columns at once (more independent chains, each element's unchanged). */
+#define NP(mr) ((ACC / (2 * (mr))) < 1 ? 1 : (ACC / (2 * (mr))) > 4 ? 4 : (ACC / (2 * (mr))))
+
+static inline __attribute__((always_inline)) void micro(const float *x, int64_t ldx, int64_t k, const float *panel,
+                                                        int64_t pstride, float *y, int64_t ldy, int64_t cols,
+                                                        const int mr, const int np) {
+  vf acc[MR][4][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+    for (int j = 0; j < np; j++) acc[r][j][0] = acc[r][j][1] = VZERO();
+  for (int64_t kk = 0; kk < k; kk++) {
+    vf w[4][2];
+#pragma GCC unroll 4
+    for (int j = 0; j < np; j++) {
+      w[j][0] = VLOAD(panel + j * pstride + kk * NR);
+      w[j][1] = VLOAD(panel + j * pstride + kk * NR + LANES);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) {
+      const vf b = VSET1(x[r * ldx + kk]);
+#pragma GCC unroll 4
+      for (int j = 0; j < np; j++) {
+        acc[r][j][0] = VFMA(b, w[j][0], acc[r][j][0]);
+        acc[r][j][1] = VFMA(b, w[j][1], acc[r][j][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+    for (int j = 0; j < np; j++) {
+      float *out = y + r * ldy + j * NR;
+      if (j < np - 1 || cols == NR) {
+        VSTORE(out, acc[r][j][0]);
+        VSTORE(out + LANES, acc[r][j][1]);
+      } else {
+        float tmp[NR];
+        VSTORE(tmp, acc[r][j][0]);
+        VSTORE(tmp + LANES, acc[r][j][1]);
+        memcpy(out, tmp, (size_t)cols * sizeof(float));
+      }
+    }
+}
+
+#define CASE(m)                                                              \
+  case m:                                                                    \
+    if (np == NP(m))                                                         \
+      micro(x, ldx, k, panel, pstride, y, ldy, cols, m, NP(m));              \
+    else                                                                     \
+      micro(x, ldx, k, panel, pstride, y, ldy, cols, m, 1);                  \
+    break;
+
+/* mr rows against np panels (NP(mr), or 1); ``cols``: the width of the last of them. */
+static void block(const float *x, int64_t ldx, int64_t k, const float *panel, int64_t pstride, float *y,
+                  int64_t ldy, int64_t cols, int mr, int np) {
+  switch (mr) {
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+#if MR > 6
+    CASE(7) CASE(8)
+#endif
+  }
+}
+
+/* Panels p0..p1 of y = x @ W^T: x [m, k] row-major, packed W as above, y [m, n] row-major. Calls on
+ * disjoint panel ranges may run at once (each writes its own columns). */
+void specdec_gemm(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, float *y, int64_t p0,
+                  int64_t p1) {
+  const int64_t pstride = k * NR;
+  for (int64_t i0 = 0; i0 < m; i0 += MC) {
+    const int64_t rows = m - i0 < MC ? m - i0 : MC;
+    for (int64_t i = 0; i < rows; i += MR) {
+      const int mr = (int)(rows - i < MR ? rows - i : MR);
+      const int np = NP(mr);
+      for (int64_t p = p0; p < p1;) {
+        const int take = p + np <= p1 ? np : 1;
+        const int64_t c0 = (p + take - 1) * NR, cols = n - c0 < NR ? n - c0 : NR;
+        block(x + (i0 + i) * k, k, k, packed + p * pstride, pstride, y + (i0 + i) * n + p * NR, n, cols, mr, take);
+        p += take;
+      }
+    }
+  }
+}
+
+/* ---------------------------------------------------------------- per-row ops of exact numerics
+ * Each row's result depends on that row's data alone, in a fixed order of operations; GCC's vector
+ * extensions give the machine's own width. */
+typedef float vx __attribute__((vector_size(4 * LANES)));
+typedef float vxu __attribute__((vector_size(4 * LANES), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+
+static inline vx vload(const float *p) { return *(const vxu *)p; }
+static inline void vstore(float *p, vx v) { *(vxu *)p = v; }
+
+static inline float hsum(vx v) { /* lanes added in a fixed order */
+  float s = 0.0f;
+  for (int i = 0; i < LANES; i++) s += v[i];
+  return s;
+}
+
+/* exp(x) for x <= 0 (a softmax's shifted scores, a SiLU's -|x|): range reduction to 2^n * exp(r),
+ * |r| <= ln2/2, and a degree-6 polynomial: relative error about 2e-7; below -87 it is 0. */
+static inline vx vexp(vx x) {
+  const vx lo = (vx){} - 87.0f;
+  const vi under = x < lo;
+  x = (vx)((vi)x & ~under) + (vx)((vi)lo & under); /* max(x, -87) without a branch */
+  const float magic = 12582912.0f;                 /* 1.5 * 2^23: adding it rounds to an integer */
+  vx n = x * 1.44269504088896341f + magic;
+  n = n - magic;
+  const vx r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vx p = (vx){} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  return (vx)((vi)(p * (vx)bits) & ~under);
+}
+
+static inline float sexp(float x) { /* the same function on one value: a lane of vexp */
+  vx v = (vx){} + x;
+  return vexp(v)[0];
+}
+
+/* y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, rows of n (x and y rows ``ldx`` and ``n`` apart). */
+void specdec_rms_norm(const float *x, int64_t rows, int64_t ldx, int64_t n, const float *w, float eps, float *y) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float *xr = x + r * ldx;
+    float *yr = y + r * n;
+    vx acc = (vx){};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+      const vx v = vload(xr + i);
+      acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (; i < n; i++) ss += xr[i] * xr[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i + LANES <= n; i += LANES) vstore(yr + i, vload(xr + i) * inv * vload(w + i));
+    for (; i < n; i++) yr[i] = xr[i] * inv * w[i];
+  }
+}
+
+/* h[r] = silu(gate) * up for rows [gate | up] of 2 * n (``ldx`` apart): silu(g) = g / (1 + exp(-g)). */
+void specdec_swiglu(const float *x, int64_t rows, int64_t ldx, int64_t n, float *h) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float *g = x + r * ldx, *u = g + n;
+    float *hr = h + r * n;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+      const vx gv = vload(g + i);
+      const vi neg = gv < (vx){};
+      const vx e = vexp((vx)((vi)gv | ((vi){} + INT32_MIN))); /* exp(-|g|): the sign bit set */
+      const vx sig = (vx)(((vi)(1.0f / (1.0f + e)) & ~neg) | ((vi)(e / (1.0f + e)) & neg));
+      vstore(hr + i, gv * sig * vload(u + i));
+    }
+    for (; i < n; i++) {
+      const float e = sexp(g[i] < 0 ? g[i] : -g[i]);
+      const float sig = g[i] < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
+      hr[i] = g[i] * sig * u[i];
+    }
+  }
+}
+
+/* Rotary on rows of ``heads`` heads of d (pairs adjacent), ``ldx`` apart: out [rows, heads, d];
+ * ``cs`` [rows, d/2, 2] holds each row's (cos, sin) per pair. */
+void specdec_rotary(const float *x, int64_t rows, int64_t ldx, int64_t heads, int64_t d, const float *cs, float *out) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float *c = cs + r * d;
+    for (int64_t hh = 0; hh < heads; hh++) {
+      const float *a = x + r * ldx + hh * d;
+      float *o = out + (r * heads + hh) * d;
+      for (int64_t i = 0; i < d; i += 2) {
+        o[i] = a[i] * c[i] - a[i + 1] * c[i + 1];
+        o[i + 1] = a[i] * c[i + 1] + a[i + 1] * c[i];
+      }
+    }
+  }
+}
+
+/* Attention of each query row over its own sequence's keys, one (row, head) at a time: scores and
+ * exps per key, their sum and the weighted values in key order, one key at a time. Keys a row may not
+ * see weigh exactly 0 and are skipped, so a row's bits depend only on the keys it sees and their order
+ * (a token tree's node gets its chain twin's bits although siblings lie between its ancestors).
+ * q [rows, heads, d], rows ``ldq`` apart; row r's keys of KV head g at keys + slot[r] * slot_stride + g * head_stride + j * pos_stride,
+ * values likewise; it sees keys j < limit[r], and of those where allowed[r * allowed_len + j] != 0
+ * when ``allowed`` is given. out [rows, heads, d]; ``scratch``: at least max(limit) + LANES floats. */
+void specdec_attention(const float *q, int64_t rows, int64_t ldq, int64_t heads, int64_t kv_heads, int64_t d, const float *keys,
+                       const float *values, const int64_t *slot, int64_t slot_stride, int64_t head_stride, int64_t pos_stride,
+                       const int64_t *limit, const uint8_t *allowed, int64_t allowed_len, float scale, float *out,
+                       float *scratch) {
+  const int64_t group = heads / kv_heads;
+  for (int64_t r = 0; r < rows; r++) {
+    const uint8_t *see = allowed ? allowed + r * allowed_len : 0;
+    const int64_t length = limit[r];
+    for (int64_t hh = 0; hh < heads; hh++) {
+      const float *qh = q + r * ldq + hh * d;
+      const int64_t off = slot[r] * slot_stride + (hh / group) * head_stride;
+      const float *kp = keys + off, *vp = values + off;
+      float *o = out + (r * heads + hh) * d;
+      float top = -INFINITY;
+      for (int64_t j = 0; j < length; j++) {
+        if (see && !see[j]) {
+          scratch[j] = -INFINITY;
+          continue;
+        }
+        const float *kj = kp + j * pos_stride;
+        vx acc = (vx){};
+        int64_t i = 0;
+        for (; i + LANES <= d; i += LANES) acc += vload(qh + i) * vload(kj + i);
+        float s = hsum(acc);
+        for (; i < d; i++) s += qh[i] * kj[i];
+        s *= scale;
+        scratch[j] = s;
+        if (s > top) top = s;
+      }
+      for (int64_t j = 0; j < length; j += LANES) vstore(scratch + j, vexp(vload(scratch + j) - top)); /* lanes past length: unused */
+      float total = 0.0f;
+      for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+      for (int64_t j = 0; j < length; j++) {
+        const float p = scratch[j];
+        if (p == 0.0f) continue;
+        total += p;
+        const float *vj = vp + j * pos_stride;
+        int64_t i = 0;
+        for (; i + LANES <= d; i += LANES) vstore(o + i, vload(o + i) + p * vload(vj + i));
+        for (; i < d; i++) o[i] += p * vj[i];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t i = 0; i < d; i++) o[i] *= inv;
+    }
+  }
+}

@@ -1,0 +1,212 @@
+"""specdec's own float32 kernels (core/native/kernels.c), built on the machine that runs them.
+
+Why: a oneDNN-packed linear gives a row the same bits whatever shares its call on the CPUs measured,
+but it is slow at the row counts speculation lives at (1 to 16 rows; docs/performance.md 13), and
+MKL's faster ones are not batch-invariant. This kernel is invariant by construction (every output is
+one chain of fused multiply-adds in a fixed order, whatever the rows, their place or the threads) and
+reads a single row's weights at close to the memory's speed.
+
+The C file is compiled once per source, compiler and CPU with ``-march=native`` (the CPU's own
+vector width: AVX2 with FMA or AVX-512, found by the compiler, nothing hard-coded), into
+``$SPECDEC_CACHE_DIR`` (default ``~/.cache/specdec``), and loaded with ctypes: no Python headers,
+no torch extension build. Where no C compiler works, or the CPU has neither AVX2 with FMA nor
+AVX-512, `available()` is False and the decoders keep oneDNN's kernels. ``SPECDEC_NATIVE_KERNELS=0``
+turns it off. The call releases the GIL, so a large call is split by columns over Python threads
+(`torch.get_num_threads()` of them); the split never changes a bit.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec.core.cpu_features import cpu_flags
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "kernels.c"
+COMPILE_TIMEOUT_S = 120
+PARALLEL_MACS = 1 << 22  # multiply-adds of a call from which it is split over threads (a hand-off costs tens of µs)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec") / "native"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _build_key(compiler: str) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    text = "\n".join([SOURCE.read_text(), compiler, version, " ".join(sorted(cpu_flags()))])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; None where they cannot be (logged once, with why)."""
+    if os.environ.get("SPECDEC_NATIVE_KERNELS", "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("native kernels off: no C compiler (set CC); using oneDNN's linears")
+        return None
+    try:
+        path = cache_dir() / f"kernels-{_build_key(compiler)}.so"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then renamed: racing processes are safe
+                built = Path(tmp) / path.name
+                result = subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(built), str(SOURCE)],
+                                        capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+                if result.returncode != 0:
+                    log.warning("native kernels off: %s could not build %s on this CPU: %s", compiler, SOURCE.name,
+                                result.stderr.strip().splitlines()[-1:] or "no message")
+                    return None
+                os.replace(built, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("native kernels off: %s", exc)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.specdec_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64]
+    lib.specdec_gemm.restype = None
+    lib.specdec_panel_width.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    for name, types in (
+        ("specdec_rms_norm", [ptr, i64, i64, i64, ptr, f32, ptr]),
+        ("specdec_swiglu", [ptr, i64, i64, i64, ptr]),
+        ("specdec_rotary", [ptr, i64, i64, i64, i64, ptr, ptr]),
+        ("specdec_attention", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, f32, ptr, ptr]),
+    ):
+        getattr(lib, name).argtypes = types
+        getattr(lib, name).restype = None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="specdec-gemm")
+
+
+class NativeLinear:
+    """``x @ weight.T`` for float32 ``weight`` [out, in], held only as the kernel's panels."""
+
+    __slots__ = ("panels", "shape", "_gemm", "_width")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        lib = library()
+        if lib is None:
+            raise RuntimeError("native kernels are not available on this machine")
+        if weight.dtype != torch.float32 or weight.dim() != 2:
+            raise ValueError(f"NativeLinear takes a 2-D float32 weight, got {weight.dtype} {tuple(weight.shape)}")
+        out, inp = weight.shape
+        width = lib.specdec_panel_width()
+        count = -(-out // width)
+        # [panels, in, width]: each panel's columns one contiguous stream; zero columns past ``out``
+        self.panels = F.pad(weight.detach(), (0, 0, 0, count * width - out)).view(count, width, inp).transpose(1, 2).contiguous()
+        self.shape = (out, inp)
+        self._gemm, self._width = lib.specdec_gemm, width
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out, inp = self.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != inp:
+            raise ValueError(f"NativeLinear {self.shape} takes float32 rows [n, {inp}], got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, out, dtype=torch.float32)
+        if rows == 0:
+            return y
+        count = self.panels.shape[0]
+        args = (x.data_ptr(), rows, inp, self.panels.data_ptr(), out, y.data_ptr())
+        threads = min(torch.get_num_threads(), count)
+        if threads <= 1 or rows * out * inp < PARALLEL_MACS:
+            self._gemm(*args, 0, count)
+            return y
+        bounds = [count * t // threads for t in range(threads + 1)]
+        futures = [_pool().submit(self._gemm, *args, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+        self._gemm(*args, bounds[0], bounds[1])
+        for f in futures:
+            f.result()
+        return y
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _rows_of(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
+    """``x`` as float32 rows whose last dimension is contiguous, checked (a kernel reads raw memory)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1:
+        raise ValueError(f"{what} takes float32 rows [n, {width}] with contiguous rows; got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    return x
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each row of ``x`` [n, hidden] over its root mean square, times ``weight``: [n, hidden]."""
+    n, hidden = x.shape
+    _rows_of(x, hidden, "rms_norm")
+    y = torch.empty(n, hidden)
+    library().specdec_rms_norm(x.data_ptr(), n, x.stride(0), hidden, weight.data_ptr(), ctypes.c_float(eps), y.data_ptr())
+    return y
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of rows [gate | up] [n, 2 * inter]: [n, inter]."""
+    n, width = gate_up.shape
+    _rows_of(gate_up, width, "swiglu")
+    h = torch.empty(n, width // 2)
+    library().specdec_swiglu(gate_up.data_ptr(), n, gate_up.stride(0), width // 2, h.data_ptr())
+    return h
+
+
+def rotary(qk: torch.Tensor, heads: int, head_dim: int, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rows ``qk`` [n, heads * head_dim] (each head's pairs adjacent) turned by ``cos_sin`` [n, head_dim / 2, 2]
+    (contiguous): [n, heads, head_dim]."""
+    n = qk.shape[0]
+    _rows_of(qk, heads * head_dim, "rotary")
+    out = torch.empty(n, heads, head_dim)
+    library().specdec_rotary(qk.data_ptr(), n, qk.stride(0), heads, head_dim, cos_sin.data_ptr(), out.data_ptr())
+    return out
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, limits: torch.Tensor,
+              allowed: torch.Tensor | None, scale: float, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``q`` [n, heads, d] (each row's heads contiguous) over ``keys``/``values`` [slots, kv, positions, d]
+    (one layer of a slab, same strides): row r attends to slot ``slots[r]``'s positions below ``limits[r]``,
+    and of those where ``allowed`` [n, >= max limit] (uint8) is non-zero when given: [n, heads * d].
+    ``slots`` and ``limits`` int64, ``scratch`` at least max(limits) + 64 floats (made when None)."""
+    n, heads, d = q.shape
+    kv = keys.shape[1]
+    if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
+        raise ValueError(f"attention takes float32 queries [n, heads, d] with each row's heads contiguous; got {q.dtype} {q.stride()}")
+    if keys.dtype != torch.float32 or keys.stride() != values.stride() or keys.stride(3) != 1:
+        raise ValueError("attention takes float32 keys and values of one layout, head_dim contiguous")
+    if slots.dtype != torch.int64 or limits.dtype != torch.int64 or not (slots.is_contiguous() and limits.is_contiguous()):
+        raise ValueError("attention takes contiguous int64 slots and limits")
+    if allowed is not None and (allowed.dtype != torch.uint8 or not allowed.is_contiguous()):
+        raise ValueError("attention takes a contiguous uint8 mask")
+    if scratch is None:
+        scratch = torch.empty(int(limits.max()) + 64 if n else 64)
+    out = torch.empty(n, heads * d)
+    library().specdec_attention(
+        q.data_ptr(), n, q.stride(0), heads, kv, d, keys.data_ptr(), values.data_ptr(), slots.data_ptr(), keys.stride(0),
+        keys.stride(1), keys.stride(2), limits.data_ptr(), _ptr(allowed), 0 if allowed is None else allowed.shape[1],
+        ctypes.c_float(scale), out.data_ptr(), scratch.data_ptr())
+    return out

@@ -1,0 +1,166 @@
+"""specdec's own float32 kernels (core/native_kernels.py): close to PyTorch's ops, and a row's bits
+never depend on what shares its call (rows, their order, the thread split, masked keys between)."""
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.core import llama_decode, native_kernels
+from specdec.core.llama_decode import LlamaDecoder
+from test_branch_decode import tiny_llama
+
+pytestmark = pytest.mark.skipif(not native_kernels.available(),
+                                reason="specdec's native kernels do not build here (no C compiler, or no AVX2 with FMA)")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(1000, 384), (33, 7), (64, 1024)])
+def test_linear_matches_pytorch_and_gives_a_row_the_same_bits_in_any_call(out_features, in_features):
+    g = gen(out_features)
+    weight = torch.randn(out_features, in_features, generator=g)
+    rows = torch.randn(140, in_features, generator=g)
+    linear = native_kernels.NativeLinear(weight)
+    full = linear(rows)
+    assert torch.allclose(full, F.linear(rows, weight), atol=1e-4, rtol=1e-4)
+    for lo, hi in ((7, 8), (0, 1), (5, 7), (3, 11), (60, 125), (0, 140)):  # alone, at other places, other counts
+        assert torch.equal(linear(rows[lo:hi]), full[lo:hi])
+    assert linear(rows[:0]).shape == (0, out_features)
+
+
+def test_linear_split_over_threads_changes_no_bit():
+    g = gen(1)
+    weight = torch.randn(300, 256, generator=g)
+    rows = torch.randn(80, 256, generator=g)  # 80 * 300 * 256 multiply-adds: above the split threshold
+    assert rows.shape[0] * weight.numel() >= native_kernels.PARALLEL_MACS
+    linear = native_kernels.NativeLinear(weight)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(rows)
+        torch.set_num_threads(3)
+        assert torch.equal(linear(rows), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_linear_refuses_what_it_cannot_run():
+    linear = native_kernels.NativeLinear(torch.randn(8, 16))
+    with pytest.raises(ValueError, match=r"float32 rows \[n, 16\]"):
+        linear(torch.randn(2, 15))
+    with pytest.raises(ValueError, match="float32"):
+        linear(torch.randn(2, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="2-D float32 weight"):
+        native_kernels.NativeLinear(torch.randn(8, 16).double())
+
+
+def test_row_ops_match_pytorch_and_are_per_row():
+    g = gen(2)
+    x = torch.randn(9, 384, generator=g)
+    w = torch.randn(384, generator=g)
+    norm = native_kernels.rms_norm(x, w, 1e-6)
+    assert torch.allclose(norm, F.rms_norm(x, (384,), w, 1e-6), atol=1e-5, rtol=1e-5)
+    assert torch.equal(native_kernels.rms_norm(x[4:5], w, 1e-6), norm[4:5])
+    gate_up = 6 * torch.randn(9, 2 * 200, generator=g)  # 200: a tail past the vector width
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = native_kernels.swiglu(gate_up)
+    assert torch.allclose(h, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    assert torch.equal(native_kernels.swiglu(gate_up[2:3]), h[2:3])
+    qk = torch.randn(9, 3 * 8, generator=g)
+    angles = torch.randn(9, 4, generator=g)
+    turned = native_kernels.rotary(qk, 3, 8, torch.stack([angles.cos(), angles.sin()], dim=-1).contiguous())
+    pairs = torch.view_as_complex(qk.view(9, 3, 4, 2)) * torch.polar(torch.ones_like(angles), angles)[:, None]
+    assert torch.allclose(turned, torch.view_as_real(pairs).view(9, 3, 8), atol=1e-6)
+
+
+def reference_attention(q, keys, values, seen):
+    """q [h, d] over keys/values [kv, L, d] at the positions ``seen``."""
+    g = q.shape[0] // keys.shape[0]
+    k, v = keys[:, seen].repeat_interleave(g, 0), values[:, seen].repeat_interleave(g, 0)
+    p = torch.softmax(torch.einsum("hd,hld->hl", q.double(), k.double()) / math.sqrt(q.shape[1]), dim=-1)
+    return torch.einsum("hl,hld->hd", p, v.double()).float().reshape(-1)
+
+
+def test_attention_matches_softmax_and_a_row_alone():
+    g = gen(3)
+    slots, kv, heads, cap, d = 3, 2, 6, 150, 64
+    slab = 3 * torch.randn(slots, 2, kv, cap, d, generator=g)
+    keys, values = slab[:, 0], slab[:, 1]
+    q = torch.randn(5, heads, d, generator=g)
+    where = torch.tensor([0, 2, 2, 1, 0])
+    limits = torch.tensor([1, 50, 51, 150, 9])
+    out = native_kernels.attention(q, keys, values, where, limits, None, 1 / math.sqrt(d))
+    for r in range(5):
+        ref = reference_attention(q[r], keys[where[r]], values[where[r]], torch.arange(int(limits[r])))
+        assert torch.allclose(out[r], ref, atol=1e-5), r
+        assert torch.equal(native_kernels.attention(q[r:r + 1], keys, values, where[r:r + 1], limits[r:r + 1], None,
+                                                    1 / math.sqrt(d))[0], out[r])
+
+
+def test_a_tree_node_gets_the_bits_of_its_chain_twin():
+    """Siblings between a node's ancestors are masked: the node's output has the bits of the same
+    token on a chain (its keys and values in the same order, nothing between)."""
+    g = gen(4)
+    kv, heads, d, prefix = 2, 4, 32, 40
+    chain_k, chain_v = torch.randn(1, kv, prefix + 3, d, generator=g), torch.randn(1, kv, prefix + 3, d, generator=g)
+    # the tree: the prefix, then a sibling of the node's parent, the parent, another sibling, the node
+    order = list(range(prefix)) + [None, prefix, None, prefix + 1]
+    tree_k, tree_v = torch.randn(1, kv, len(order), d, generator=g), torch.randn(1, kv, len(order), d, generator=g)
+    for place, source in enumerate(order):
+        if source is not None:
+            tree_k[0, :, place], tree_v[0, :, place] = chain_k[0, :, source], chain_v[0, :, source]
+    q = torch.randn(1, heads, d, generator=g)
+    zero = torch.zeros(1, dtype=torch.int64)
+    chain = native_kernels.attention(q, chain_k, chain_v, zero, torch.tensor([prefix + 2]), None, 0.2)
+    allowed = torch.tensor([[source is not None for source in order]], dtype=torch.uint8)
+    tree = native_kernels.attention(q, tree_k, tree_v, zero, torch.tensor([len(order)]), allowed, 0.2)
+    assert torch.equal(tree, chain)
+
+
+def test_attention_refuses_wrong_layouts():
+    keys = torch.randn(1, 2, 8, 4)
+    one = torch.ones(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="int64"):
+        native_kernels.attention(torch.randn(1, 2, 4), keys, keys, torch.zeros(1, dtype=torch.int32), one, None, 1.0)
+    with pytest.raises(ValueError, match="float32 keys"):
+        native_kernels.attention(torch.randn(1, 2, 4), keys.double(), keys.double(), one - 1, one, None, 1.0)
+
+
+def test_exact_decoder_runs_native_kernels_and_matches_the_fast_one():
+    model = tiny_llama(2, seed=12)
+    ids = list(range(3, 60))
+    exact = LlamaDecoder(model, numerics="exact")
+    assert exact.kernels == ("native", "native") and exact.native_ops
+    fast = LlamaDecoder(model)
+    a = exact.forward(exact.new_cache(), ids, 0)
+    b = fast.forward(fast.new_cache(), ids, 0)
+    assert (a - b).abs().max() < 1e-4 * b.abs().max()
+
+
+def test_without_native_kernels_exact_mode_keeps_onednn(monkeypatch):
+    monkeypatch.setattr(native_kernels, "available", lambda: False)
+    dec = LlamaDecoder(tiny_llama(2, seed=12), numerics="exact")
+    assert dec.kernels in (("packed", "packed"), ("plain", "plain")) and not dec.native_ops
+    with pytest.raises(ValueError, match="native kernel"):
+        LlamaDecoder(tiny_llama(2, seed=12), single_row="native")
+
+
+def test_a_compiler_that_fails_turns_native_kernels_off_with_a_reason(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))  # nothing built yet here
+    native_kernels.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="specdec.core.native_kernels"):
+            assert native_kernels.library() is None
+        assert "native kernels off" in caplog.text
+        assert not llama_decode.native_usable(torch.float32)
+    finally:
+        monkeypatch.undo()
+        native_kernels.library.cache_clear()
+    assert native_kernels.available()  # built again (or found) with the real compiler
