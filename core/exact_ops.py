@@ -131,7 +131,7 @@ class ExactGroup:
         self.write = None if positions is None else (_as_slice(rows), slots, positions)
         self.first_position = None if positions is None else int(positions[0])
         if getattr(dec, "native_ops", False):
-            self._native_init(rows, slots, row_in_seq, limits, allowed, positions)
+            self._native_init(rows, slots, limits, allowed, positions)
             return
         length = allowed.shape[1] if allowed is not None else int(limits.max())
         self.length = L = round_up(length, KEY_BLOCK)
@@ -160,9 +160,9 @@ class ExactGroup:
         n = len(rows)
         self.one = (S == 1 and len(self.tiles) == 1 and isinstance(self.tiles[0][0], slice)
                     and bool(torch.equal(row_in_seq, torch.arange(n)))
-                    and (positions is None or bool(torch.equal(positions, torch.arange(int(positions[0]), int(positions[0]) + n)))))
+                    and (positions is None or _is_run(positions)))
 
-    def _native_init(self, rows: torch.Tensor, slots: torch.Tensor, row_in_seq: torch.Tensor, limits: torch.Tensor | None,
+    def _native_init(self, rows: torch.Tensor, slots: torch.Tensor, limits: torch.Tensor | None,
                      allowed: torch.Tensor | None, positions: torch.Tensor | None) -> None:
         """The native kernel's plan (core/native_kernels.py): every row over its own keys, no tiles or
         padding; a masked row sees keys up to its last allowed one."""
@@ -177,9 +177,7 @@ class ExactGroup:
         else:
             self.allowed, self.limits = None, limits.to(torch.int64).contiguous()
         self.scratch = torch.empty(int(self.limits.max()) + 64)
-        n = len(rows)
-        self.one = (self.num_slots == 1 and isinstance(self.write[0] if self.write else None, slice)
-                    and positions is not None and bool(torch.equal(positions, torch.arange(int(positions[0]), int(positions[0]) + n))))
+        self.one = self.num_slots == 1 and self.write is not None and isinstance(self.write[0], slice) and _is_run(positions)
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         rows, slots, positions = self.write
@@ -220,6 +218,11 @@ class ExactGroup:
             att = att[0, :, :len(place)].transpose(0, 1) if self.one else att[slots, :, place]  # [n, kv, g, d]
             out.append(att.reshape(-1, kv * g * d).to(self.out_dtype))
         return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _is_run(index: torch.Tensor) -> bool:
+    """Whether ``index`` is consecutive numbers (first, first + 1, ...)."""
+    return isinstance(_as_slice(index), slice)
 
 
 def _as_slice(index: torch.Tensor) -> torch.Tensor | slice:

@@ -72,7 +72,7 @@ def library() -> ctypes.CDLL | None:
                                         capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
                 if result.returncode != 0:
                     log.warning("native kernels off: %s could not build %s on this CPU: %s", compiler, SOURCE.name,
-                                result.stderr.strip().splitlines()[-1:] or "no message")
+                                (result.stderr.strip().splitlines() or ["no message"])[-1])
                     return None
                 os.replace(built, path)
         lib = ctypes.CDLL(str(path))
