@@ -24,11 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from specdec.core.paged_kv import SCRATCH_PAGE, ZERO_PAGE, allowed_positions
+from specdec.core.speculation import SpeculationPolicy
 
 log = logging.getLogger(__name__)
 
 SESSION_LADDER_MAX = 64  # sessions per forward: 1, 2, 4, .. 64
-ROW_LADDER_MAX = 8  # rows per session (k + 1): 1, 2, 4, 8
+# rows per session (k + 1): 1, 2, 4, 8, 9, up to the default longest draft's block, which would
+# otherwise run eagerly (3x a captured step on an H200: docs/performance.md, GPU check)
+ROW_LADDER_MAX = SpeculationPolicy.max_speculative_tokens + 1
 FIRST_LENGTH = 256  # KV positions per session: 256, 1024, 4096, .. (x4), then the context
 # A bucket's sessions x positions at most: each layer gathers that many keys and values (a 1B-class
 # model's 64 x 4096 in bfloat16 is ~0.5 GiB a gather); longer batches run eagerly.

@@ -115,8 +115,8 @@ class ExactGroup:
     below ``limits`` (causal attention), or where ``allowed`` [Ng, length] is True; with ``positions``
     given, its new key and value are written there first. Query rows go in tiles of ``tile`` rows by
     ``row_in_seq`` (default: the decoder's plan for the longest sequence here); a tile's padding rows
-    see position 0 only, and their output is dropped. Where the decoder runs native kernels
-    (``dec.native_ops``) each row attends alone instead (core/native/kernels.c): no tiles, no padding.
+    see position 0 only, and their output is dropped. Where the decoder runs native attention
+    (``dec.native_attention``) each row attends alone instead (core/native/kernels.c): no tiles, no padding.
     """
 
     native = False
@@ -130,7 +130,7 @@ class ExactGroup:
         self.out_dtype = dec.dtype  # the model's; `verify` reads the float32 result itself
         self.write = None if positions is None else (_as_slice(rows), slots, positions)
         self.first_position = None if positions is None else int(positions[0])
-        if getattr(dec, "native_ops", False):
+        if getattr(dec, "native_attention", False):
             self._native_init(rows, slots, limits, allowed, positions)
             return
         length = allowed.shape[1] if allowed is not None else int(limits.max())
@@ -197,8 +197,9 @@ class ExactGroup:
         if self.write is not None:
             self._write(keys, values, k, v)
         if self.native:
-            return native_kernels.attention(q[self.query_rows].float(), keys, values, self.slots, self.limits, self.allowed,
-                                            1.0 / math.sqrt(d), self.scratch)
+            out = native_kernels.attention(q[self.query_rows].float(), keys, values, self.slots, self.limits, self.allowed,
+                                           1.0 / math.sqrt(d), self.scratch)
+            return out.to(self.out_dtype)
         g, tile, S, L = dec.n_heads // kv, self.tile, self.num_slots, self.length
         # float32 whatever the model's dtype: oneDNN's bf16 batched matmul picks its kernel by the whole
         # problem's size (one item of M = 2 and one of M = 6 differ in the last bit), MKL's fp32 one by

@@ -159,6 +159,11 @@ def native_usable(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and native_kernels.available()
 
 
+def native_attention_usable(dtype: torch.dtype) -> bool:
+    """Whether specdec's own attention kernel can read this dtype's keys and values here."""
+    return dtype in native_kernels.KV_DTYPES and native_kernels.available()
+
+
 class _Layouts:
     """One weight, in the layouts its calls use, and which kernel runs single-row calls (``one``)
     and calls of more rows (``many``): "packed" (oneDNN, prepacked), "plain" (``F.linear`` on the
@@ -297,6 +302,9 @@ class LlamaDecoder:
                 self.kernels = self._choose_kernels(model, single_row, multi_row, one_layout=layouts_per_weight == 1)
             # exact numerics on native kernels: norms, SwiGLU, rotary and attention in C too (one call each, not ~10 ops)
             self.native_ops = self.exact and self.kernels == ("native", "native")
+            # attention in C whenever exact and built: bf16 too (oneDNN's and MKL's batched GEMMs are not
+            # shape-invariant on every CPU: AVX-512 and AMX machines give a row other bits beside others)
+            self.native_attention = self.exact and native_attention_usable(dtype)
             # the model's copy of each weight goes as soon as this decoder's arrives
             release = WeightRelease(model, keep) if own_weights else (lambda *modules: None)
 

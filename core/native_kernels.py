@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native") / "kernels.c"
 COMPILE_TIMEOUT_S = 120
+KV_DTYPES = (torch.float32, torch.bfloat16)  # what `attention` reads keys and values in
 PARALLEL_MACS = 1 << 22  # multiply-adds of a call from which it is split over threads (a hand-off costs tens of µs)
 
 
@@ -89,6 +90,7 @@ def library() -> ctypes.CDLL | None:
         ("specdec_swiglu", [ptr, i64, i64, i64, ptr]),
         ("specdec_rotary", [ptr, i64, i64, i64, i64, ptr, ptr]),
         ("specdec_attention", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, f32, ptr, ptr]),
+        ("specdec_attention_bf16", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, f32, ptr, ptr]),
     ):
         getattr(lib, name).argtypes = types
         getattr(lib, name).restype = None
@@ -189,15 +191,16 @@ def rotary(qk: torch.Tensor, heads: int, head_dim: int, cos_sin: torch.Tensor) -
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, limits: torch.Tensor,
               allowed: torch.Tensor | None, scale: float, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``q`` [n, heads, d] (each row's heads contiguous) over ``keys``/``values`` [slots, kv, positions, d]
-    (one layer of a slab, same strides): row r attends to slot ``slots[r]``'s positions below ``limits[r]``,
+    (one layer of a slab, same strides; float32 or bfloat16, widened exactly): row r attends to slot ``slots[r]``'s positions below ``limits[r]``,
     and of those where ``allowed`` [n, >= max limit] (uint8) is non-zero when given: [n, heads * d].
     ``slots`` and ``limits`` int64, ``scratch`` at least max(limits) + 64 floats (made when None)."""
     n, heads, d = q.shape
     kv = keys.shape[1]
     if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
         raise ValueError(f"attention takes float32 queries [n, heads, d] with each row's heads contiguous; got {q.dtype} {q.stride()}")
-    if keys.dtype != torch.float32 or keys.stride() != values.stride() or keys.stride(3) != 1:
-        raise ValueError("attention takes float32 keys and values of one layout, head_dim contiguous")
+    if keys.dtype not in KV_DTYPES or values.dtype != keys.dtype or keys.stride() != values.stride() or keys.stride(3) != 1:
+        raise ValueError(f"attention takes float32 or bfloat16 keys and values of one dtype and layout, head_dim contiguous; "
+                         f"got {keys.dtype} {keys.stride()} and {values.dtype} {values.stride()}")
     if slots.dtype != torch.int64 or limits.dtype != torch.int64 or not (slots.is_contiguous() and limits.is_contiguous()):
         raise ValueError("attention takes contiguous int64 slots and limits")
     if allowed is not None and (allowed.dtype != torch.uint8 or not allowed.is_contiguous()):
@@ -205,7 +208,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: 
     if scratch is None:
         scratch = torch.empty(int(limits.max()) + 64 if n else 64)
     out = torch.empty(n, heads * d)
-    library().specdec_attention(
+    kernel = library().specdec_attention_bf16 if keys.dtype == torch.bfloat16 else library().specdec_attention
+    kernel(
         q.data_ptr(), n, q.stride(0), heads, kv, d, keys.data_ptr(), values.data_ptr(), slots.data_ptr(), keys.stride(0),
         keys.stride(1), keys.stride(2), limits.data_ptr(), _ptr(allowed), 0 if allowed is None else allowed.shape[1],
         ctypes.c_float(scale), out.data_ptr(), scratch.data_ptr())

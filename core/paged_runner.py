@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.core import exact_ops
+from specdec.core import exact_ops, native_kernels
 from specdec.core.cuda_graphs import CudaGraphs, buckets_for
 from specdec.core.llama_decode import final_features
 from specdec.core.models import WeightRelease, restore_weights, weights_released
@@ -201,6 +201,9 @@ class PagedRunner:
             self.layers = [self._layer(layer, release) for layer in base.layers]
             self.lm_head_weight = self._weight(model.lm_head.weight)  # (norms, o, down and the head are used as they are)
         self.layer_count = len(self.layers)
+        # on the CPU, exact attention in C (each row over the keys it sees, in order) where it builds
+        self.native_attention = (self.exact and self.device.type == "cpu" and self.dtype in native_kernels.KV_DTYPES
+                                 and native_kernels.available())
         self.exact_plan = self._exact_plan(probe_threads) if self.exact else None
         # Query rows per attention tile for a sequence of n rows: the plan's (checked) on the CPU, one
         # fixed size on CUDA, where nothing checked that other tile sizes keep a row's bits.
@@ -462,6 +465,8 @@ class PagedRunner:
         tiles of a size fixed by this sequence's row count, each tile one batched GEMM over the KV
         heads (`exact_ops.attend_tiles`): a row's bits depend on its own sequence only."""
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
+        if self.native_attention:
+            return self._attend_native(batch, q, keys, values, window)
         g = h // kv
         out = q.new_empty(batch.n, h * d)
         for lo, index, tiles in self._exact_layout(batch, window, gathers_cpu):
@@ -476,6 +481,24 @@ class PagedRunner:
                 att = att.view(kv, tile, g, d).transpose(0, 1)[:rows]  # [rows, kv, g, d]
                 out[lo + t0:lo + t0 + rows] = att.reshape(rows, h * d).to(self.dtype)
         return out
+
+    def _attend_native(self, batch: Batch, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       window: int | None) -> torch.Tensor:
+        """Every row over its own sequence's gathered pages in C (core/native_kernels.py `attention`):
+        it reads only the keys its mask lets it see, in position order, so nothing else in the batch
+        touches its bits."""
+        cache = batch.__dict__.setdefault("_native", {})
+        if window not in cache:
+            allowed = batch.mask(window)[:, 0].reshape(-1, batch.longest)[batch.grid]  # [N, longest]
+            limits = batch.longest - allowed.flip(1).to(torch.uint8).argmax(1)  # one past each row's last seen key
+            slots = torch.repeat_interleave(torch.arange(len(batch.lengths)), torch.tensor(batch.lengths))
+            cache[window] = (slots, limits.contiguous(), allowed.to(torch.uint8).contiguous(), torch.empty(batch.longest + 64))
+        slots, limits, allowed, scratch = cache[window]
+        k = keys[batch.gather].permute(0, 2, 1, 3)  # [S, kv, longest, d], one copy for every row
+        v = values[batch.gather].permute(0, 2, 1, 3)
+        out = native_kernels.attention(q.float().contiguous(), k, v, slots, limits, allowed, 1.0 / math.sqrt(self.head_dim),
+                                       scratch)
+        return out.to(self.dtype)
 
     def _exact_layout(self, batch: Batch, window: int | None, gathers_cpu: torch.Tensor) -> list:
         """Per sequence (first row, gather index [L] on the device, [(first row of tile, rows, bias)]),

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.core import llama_decode, native_kernels
+from specdec.core import exact_ops, llama_decode, native_kernels
 from specdec.core.llama_decode import LlamaDecoder
 from test_branch_decode import tiny_llama
 
@@ -128,7 +128,7 @@ def test_attention_refuses_wrong_layouts():
     one = torch.ones(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="int64"):
         native_kernels.attention(torch.randn(1, 2, 4), keys, keys, torch.zeros(1, dtype=torch.int32), one, None, 1.0)
-    with pytest.raises(ValueError, match="float32 keys"):
+    with pytest.raises(ValueError, match="float32 or bfloat16 keys"):
         native_kernels.attention(torch.randn(1, 2, 4), keys.double(), keys.double(), one - 1, one, None, 1.0)
 
 
@@ -143,10 +143,30 @@ def test_exact_decoder_runs_native_kernels_and_matches_the_fast_one():
     assert (a - b).abs().max() < 1e-4 * b.abs().max()
 
 
+def test_bfloat16_keys_and_values_give_the_bits_of_their_float32_widening():
+    """bfloat16 caches are read in place, each value widened exactly: the result is the float32
+    kernel's over the widened copy, bit for bit, for chains and masked (tree) rows alike."""
+    g = gen(5)
+    kv, heads, d, length = 2, 6, 48, 70  # d not a multiple of the vector width: the scalar tails too
+    keys = torch.randn(3, kv, length, d, generator=g).bfloat16()
+    values = torch.randn(3, kv, length, d, generator=g).bfloat16()
+    q = torch.randn(4, heads, d, generator=g)
+    where, limits = torch.tensor([0, 2, 1, 2]), torch.tensor([1, 70, 33, 64])
+    allowed = (torch.rand(4, length, generator=g) < 0.7).to(torch.uint8)
+    allowed[:, 0] = 1
+    for mask in (None, allowed):
+        got = native_kernels.attention(q, keys, values, where, limits, mask, 0.125)
+        want = native_kernels.attention(q, keys.float(), values.float(), where, limits, mask, 0.125)
+        assert torch.equal(got, want)
+
+
 def test_without_native_kernels_exact_mode_keeps_onednn(monkeypatch):
     monkeypatch.setattr(native_kernels, "available", lambda: False)
+    # the kernel choice only: whether oneDNN's attention keeps a row's bits is this CPU's to say (exact_ops.verify)
+    monkeypatch.setattr(exact_ops, "_PLANS", {})
+    monkeypatch.setattr(exact_ops, "verify", lambda *args: exact_ops.ExactPlan("flat", 1))
     dec = LlamaDecoder(tiny_llama(2, seed=12), numerics="exact")
-    assert dec.kernels in (("packed", "packed"), ("plain", "plain")) and not dec.native_ops
+    assert dec.kernels in (("packed", "packed"), ("plain", "plain")) and not dec.native_ops and not dec.native_attention
     with pytest.raises(ValueError, match="native kernel"):
         LlamaDecoder(tiny_llama(2, seed=12), single_row="native")
 

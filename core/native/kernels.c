@@ -230,17 +230,37 @@ void specdec_rotary(const float *x, int64_t rows, int64_t ldx, int64_t heads, in
   }
 }
 
+/* Keys and values as stored: float32, or bfloat16 widened exactly (its bits are a float32's top half). */
+typedef uint16_t vh __attribute__((vector_size(2 * LANES), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
+
+static inline __attribute__((always_inline)) vx kv_load(const void *base, int64_t at, const int bf16) {
+  if (!bf16) return vload((const float *)base + at);
+  const vu wide = __builtin_convertvector(*(const vh *)((const uint16_t *)base + at), vu);
+  return (vx)(wide << 16);
+}
+
+static inline __attribute__((always_inline)) float kv_at(const void *base, int64_t at, const int bf16) {
+  if (!bf16) return ((const float *)base)[at];
+  const uint32_t bits = (uint32_t)((const uint16_t *)base)[at] << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
 /* Attention of each query row over its own sequence's keys, one (row, head) at a time: scores and
  * exps per key, their sum and the weighted values in key order, one key at a time. Keys a row may not
  * see weigh exactly 0 and are skipped, so a row's bits depend only on the keys it sees and their order
  * (a token tree's node gets its chain twin's bits although siblings lie between its ancestors).
- * q [rows, heads, d], rows ``ldq`` apart; row r's keys of KV head g at keys + slot[r] * slot_stride + g * head_stride + j * pos_stride,
- * values likewise; it sees keys j < limit[r], and of those where allowed[r * allowed_len + j] != 0
- * when ``allowed`` is given. out [rows, heads, d]; ``scratch``: at least max(limit) + LANES floats. */
-void specdec_attention(const float *q, int64_t rows, int64_t ldq, int64_t heads, int64_t kv_heads, int64_t d, const float *keys,
-                       const float *values, const int64_t *slot, int64_t slot_stride, int64_t head_stride, int64_t pos_stride,
-                       const int64_t *limit, const uint8_t *allowed, int64_t allowed_len, float scale, float *out,
-                       float *scratch) {
+ * q [rows, heads, d] float32, rows ``ldq`` apart; row r's keys of KV head g at keys + slot[r] * slot_stride
+ * + g * head_stride + j * pos_stride (elements), values likewise, float32 or (``bf16``) bfloat16; it sees
+ * keys j < limit[r], and of those where allowed[r * allowed_len + j] != 0 when ``allowed`` is given.
+ * out [rows, heads, d] float32; ``scratch``: at least max(limit) + LANES floats. */
+static inline __attribute__((always_inline)) void attention(
+    const float *q, int64_t rows, int64_t ldq, int64_t heads, int64_t kv_heads, int64_t d, const void *keys,
+    const void *values, const int64_t *slot, int64_t slot_stride, int64_t head_stride, int64_t pos_stride,
+    const int64_t *limit, const uint8_t *allowed, int64_t allowed_len, float scale, float *out, float *scratch,
+    const int bf16) {
   const int64_t group = heads / kv_heads;
   for (int64_t r = 0; r < rows; r++) {
     const uint8_t *see = allowed ? allowed + r * allowed_len : 0;
@@ -248,7 +268,6 @@ void specdec_attention(const float *q, int64_t rows, int64_t ldq, int64_t heads,
     for (int64_t hh = 0; hh < heads; hh++) {
       const float *qh = q + r * ldq + hh * d;
       const int64_t off = slot[r] * slot_stride + (hh / group) * head_stride;
-      const float *kp = keys + off, *vp = values + off;
       float *o = out + (r * heads + hh) * d;
       float top = -INFINITY;
       for (int64_t j = 0; j < length; j++) {
@@ -256,12 +275,12 @@ void specdec_attention(const float *q, int64_t rows, int64_t ldq, int64_t heads,
           scratch[j] = -INFINITY;
           continue;
         }
-        const float *kj = kp + j * pos_stride;
+        const int64_t kj = off + j * pos_stride;
         vx acc = (vx){};
         int64_t i = 0;
-        for (; i + LANES <= d; i += LANES) acc += vload(qh + i) * vload(kj + i);
+        for (; i + LANES <= d; i += LANES) acc += vload(qh + i) * kv_load(keys, kj + i, bf16);
         float s = hsum(acc);
-        for (; i < d; i++) s += qh[i] * kj[i];
+        for (; i < d; i++) s += qh[i] * kv_at(keys, kj + i, bf16);
         s *= scale;
         scratch[j] = s;
         if (s > top) top = s;
@@ -273,13 +292,24 @@ void specdec_attention(const float *q, int64_t rows, int64_t ldq, int64_t heads,
         const float p = scratch[j];
         if (p == 0.0f) continue;
         total += p;
-        const float *vj = vp + j * pos_stride;
+        const int64_t vj = off + j * pos_stride;
         int64_t i = 0;
-        for (; i + LANES <= d; i += LANES) vstore(o + i, vload(o + i) + p * vload(vj + i));
-        for (; i < d; i++) o[i] += p * vj[i];
+        for (; i + LANES <= d; i += LANES) vstore(o + i, vload(o + i) + p * kv_load(values, vj + i, bf16));
+        for (; i < d; i++) o[i] += p * kv_at(values, vj + i, bf16);
       }
       const float inv = 1.0f / total;
       for (int64_t i = 0; i < d; i++) o[i] *= inv;
     }
   }
 }
+
+#define ATTENTION_ARGS                                                                                               \
+  const float *q, int64_t rows, int64_t ldq, int64_t heads, int64_t kv_heads, int64_t d, const void *keys,          \
+      const void *values, const int64_t *slot, int64_t slot_stride, int64_t head_stride, int64_t pos_stride,          \
+      const int64_t *limit, const uint8_t *allowed, int64_t allowed_len, float scale, float *out, float *scratch
+#define ATTENTION_CALL(bf16)                                                                                         \
+  attention(q, rows, ldq, heads, kv_heads, d, keys, values, slot, slot_stride, head_stride, pos_stride, limit, allowed, \
+            allowed_len, scale, out, scratch, bf16)
+
+void specdec_attention(ATTENTION_ARGS) { ATTENTION_CALL(0); }
+void specdec_attention_bf16(ATTENTION_ARGS) { ATTENTION_CALL(1); }
