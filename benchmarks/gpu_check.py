@@ -98,7 +98,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     small = args.small
     return Plan(device=device, draft_device=args.draft_device or device, runner=args.runner, lowp=lowp, small=small,
                 out=Path(args.out), threads=args.threads or (1 if device == "cpu" else None),
-                prompts=2 if small else 8, max_new=8 if small else 64, levels=(1, 4) if small else (1, 16, 64),
+                prompts=2 if small else 8, max_new=args.max_new or (8 if small else 64), levels=(1, 4) if small else (1, 16, 64),
                 distributed_levels=(1, 2) if small else (1, 16), reps=3 if small else 20, context=32 if small else 128,
                 deployment=args.deployment or ("in-process" if small else "up"))
 
@@ -754,6 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-device", default=None, help="the draft's in (a) and (b) (default: --device); (c) drafts on the CPU")
     ap.add_argument("--runner", default="auto", choices=("auto", "lean", "paged", "hf"), help="the target's model runner")
     ap.add_argument("--small", action="store_true", help="tiny random target, few tokens, 1 and 4 sessions (the test suite's run)")
+    ap.add_argument("--max-new", type=int, default=None, help="tokens a request generates (default: 64; --small: 8)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per model (default: 1 on the CPU, torch's own with CUDA)")
     ap.add_argument("--out", default=None, help="folder for gpu_check.json and gpu_check.md (default: $OUT, else benchmarks/results/gpu_check)")
     ap.add_argument("--deployment", choices=("up", "in-process"), default=None,

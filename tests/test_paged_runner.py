@@ -21,6 +21,7 @@ from specdec.core.paged_runner import PagedRunner
 from specdec.core.runner import Feed, LeanRunner
 from specdec.core.sampling import SamplingParams
 from specdec.core.steps import DraftProposal, SessionSpec
+from specdec.core.speculation import SpeculationPolicy
 from specdec.draft.model_drafter import ModelDrafter
 from specdec.target.engine import TargetConfig, VerifierEngine
 
@@ -277,7 +278,8 @@ def test_buckets_are_ladders_and_a_batch_takes_the_cheapest_that_holds_it():
     assert cuda_graphs.ladder(64) == (1, 2, 4, 8, 16, 32, 64)
     assert cuda_graphs.ladder(48) == (1, 2, 4, 8, 16, 32, 48)
     buckets = cuda_graphs.buckets_for(max_sessions=48, context=2048)
-    assert {b.length for b in buckets} == {256, 1024, 2048} and {b.rows for b in buckets} == {1, 2, 4, 8}
+    assert {b.length for b in buckets} == {256, 1024, 2048} and {b.rows for b in buckets} == {1, 2, 4, 8, 9}
+    assert cuda_graphs.choose_bucket(buckets, 1, SpeculationPolicy().max_speculative_tokens + 1, 100)  # the longest block
     assert cuda_graphs.choose_bucket(buckets, 3, 4, 300) == cuda_graphs.GraphBucket(4, 4, 1024)
     assert cuda_graphs.choose_bucket(buckets, 1, 1, 1) == cuda_graphs.GraphBucket(1, 1, 256)
     assert cuda_graphs.choose_bucket(buckets, 49, 1, 10) is None  # more sessions than any bucket: eager
