@@ -90,7 +90,7 @@ def test_the_gpu_runs_specdec_up_with_flags_the_cli_takes():
     from specdec.cli import build_parser
 
     plan = gpu_check.make_plan(gpu_check.argparse.Namespace(device="cpu", draft_device=None, runner="auto", small=False,
-                                                            threads=None, out="/tmp/unused", deployment=None))
+                                                            threads=None, out="/tmp/unused", deployment=None, max_new=None))
     assert plan.deployment == "up"
     pair = gpu_check.Pair("demo", "/models/target", "/models/draft")
     args = build_parser().parse_args(gpu_check.up_argv(plan, pair, "bfloat16", 50051))
