@@ -120,6 +120,7 @@ class ExactGroup:
     """
 
     native = False
+    _flat = None  # ((kv, positions), each (row, head)'s row in a layer's [slots * kv * positions, d] view)
 
     def __init__(self, dec, layer_kv: KVOfLayer, num_slots: int, rows: torch.Tensor, slots: torch.Tensor,
                  row_in_seq: torch.Tensor, limits: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
@@ -185,6 +186,14 @@ class ExactGroup:
             p, n = self.first_position, len(positions)
             keys[0, :, p:p + n] = k[rows].transpose(0, 1)  # [kv, n, d]
             values[0, :, p:p + n] = v[rows].transpose(0, 1)
+        elif keys.is_contiguous() and values.is_contiguous():  # one row copy per (row, head): no advanced-index put
+            _, kv, cap, d = keys.shape
+            if self._flat is None or self._flat[0] != (kv, cap):
+                heads = torch.arange(kv)
+                self._flat = (kv, cap), ((slots[:, None] * kv + heads) * cap + positions[:, None]).flatten()
+            index = self._flat[1]
+            keys.view(-1, d).index_copy_(0, index, k[rows].reshape(-1, d))
+            values.view(-1, d).index_copy_(0, index, v[rows].reshape(-1, d))
         else:
             keys[slots, :, positions] = k[rows]  # [Ng, kv, d]
             values[slots, :, positions] = v[rows]
@@ -244,8 +253,9 @@ def slab_group(dec, slab: int, members: list[tuple[int, int, int, int]],
     lo = min(slot for slot, _, _, _ in members)
     hi = max(slot for slot, _, _, _ in members) + 1
     length = max(start + n for _, start, _, n in members)
-    for slot in range(lo, hi):  # every slot the view spans, to the padded length (masked keys are still multiplied)
-        dec.pool.fill_to(slab, slot, round_up(length, KEY_BLOCK))
+    if not getattr(dec, "native_attention", False):  # the native kernel reads only the keys a row sees
+        for slot in range(lo, hi):  # every slot the view spans, to the padded length (masked keys are still multiplied)
+            dec.pool.fill_to(slab, slot, round_up(length, KEY_BLOCK))
     tensor = dec.pool.slabs[slab]  # [layers, 2, slots, kv, context, d]
     return ExactGroup(
         dec, lambda i: (tensor[i, 0, lo:hi], tensor[i, 1, lo:hi]), hi - lo,
@@ -272,7 +282,7 @@ def alone_group(dec, cache: DecodeCache, start: int, first: int, n: int, mask: t
     wrote, grown to whole key blocks by the decoder) or another pool's slot. ``mask`` [n, start + n]:
     positions each row sees (None: causal)."""
     end = start + n
-    if cache.pooled:  # another pool's slot: make it finite up to the padded length
+    if cache.pooled and not getattr(dec, "native_attention", False):  # another pool's slot: finite up to the padded length
         cache.pool.fill_to(cache.slab, cache.slot, round_up(end, KEY_BLOCK))
     buf = cache.buf
     return ExactGroup(

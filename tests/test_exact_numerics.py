@@ -93,11 +93,13 @@ def test_a_row_inside_a_batch_of_16_mixed_sessions_is_bitwise_the_same(kv_heads,
         assert_rows_equal(g, want, f"session {i} (k = {len(blocks[i]) - 1})")
 
 
-def poison(pool: exact_ops.ExactSlotPool) -> None:
-    """What an unwritten page may hold: NaN wherever nobody wrote."""
-    for slab, finite in zip(pool.slabs, pool.finite):
+def poison(pool: exact_ops.ExactSlotPool, caches: list, lengths: list[int]) -> None:
+    """What an unwritten page may hold: NaN wherever nobody wrote a live sequence's keys and values, or
+    made them finite for attention that multiplies masked keys (the GEMM path's padding)."""
+    written = {(c.slab, c.slot): n for c, n in zip(caches, lengths) if c.pooled}
+    for slab_index, (slab, finite) in enumerate(zip(pool.slabs, pool.finite)):
         for slot, n in enumerate(finite):
-            slab[:, :, slot, :, n:] = float("nan")
+            slab[:, :, slot, :, max(n, written.get((slab_index, slot), 0)):] = float("nan")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -114,7 +116,7 @@ def test_slabs_with_holes_and_a_private_cache_still_give_each_row_its_own_bits(k
     caches.append(dec.private_cache())
     prefixes.append([rnd.randrange(VOCAB) for _ in range(30)])
     dec.forward(caches[-1], prefixes[-1], 0, 1)
-    poison(dec.pool)
+    poison(dec.pool, caches, [len(p) for p in prefixes])
     blocks = [[rnd.randrange(VOCAB) for _ in range(i % 5 + 1)] for i in range(len(caches))]
     wants = [alone(dec, p, b) for p, b in zip(prefixes, blocks)]
     got = dec.forward_batch(caches, blocks, [len(p) for p in prefixes], [len(b) for b in blocks])

@@ -112,21 +112,29 @@ static void block(const float *x, int64_t ldx, int64_t k, const float *panel, in
   }
 }
 
+/* Panels a block of rows walks together: each group's weights stay in cache while every micro-block of
+ * the rows uses them (walking all panels per micro-block streams the whole matrix from memory each time). */
+#define GROUP 4
+
 /* Panels p0..p1 of y = x @ W^T: x [m, k] row-major, packed W as above, y [m, n] row-major. Calls on
  * disjoint panel ranges may run at once (each writes its own columns). */
 void specdec_gemm(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, float *y, int64_t p0,
                   int64_t p1) {
   const int64_t pstride = k * NR;
+  const int64_t group = m <= MR ? p1 - p0 : GROUP; /* one micro-block: nothing to reuse, widest np */
   for (int64_t i0 = 0; i0 < m; i0 += MC) {
     const int64_t rows = m - i0 < MC ? m - i0 : MC;
-    for (int64_t i = 0; i < rows; i += MR) {
-      const int mr = (int)(rows - i < MR ? rows - i : MR);
-      const int np = NP(mr);
-      for (int64_t p = p0; p < p1;) {
-        const int take = p + np <= p1 ? np : 1;
-        const int64_t c0 = (p + take - 1) * NR, cols = n - c0 < NR ? n - c0 : NR;
-        block(x + (i0 + i) * k, k, k, packed + p * pstride, pstride, y + (i0 + i) * n + p * NR, n, cols, mr, take);
-        p += take;
+    for (int64_t g = p0; g < p1; g += group) {
+      const int64_t g1 = g + group < p1 ? g + group : p1;
+      for (int64_t i = 0; i < rows; i += MR) {
+        const int mr = (int)(rows - i < MR ? rows - i : MR);
+        const int np = NP(mr);
+        for (int64_t p = g; p < g1;) {
+          const int take = p + np <= g1 ? np : 1;
+          const int64_t c0 = (p + take - 1) * NR, cols = n - c0 < NR ? n - c0 : NR;
+          block(x + (i0 + i) * k, k, k, packed + p * pstride, pstride, y + (i0 + i) * n + p * NR, n, cols, mr, take);
+          p += take;
+        }
       }
     }
   }
@@ -142,10 +150,18 @@ typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 static inline vx vload(const float *p) { return *(const vxu *)p; }
 static inline void vstore(float *p, vx v) { *(vxu *)p = v; }
 
-static inline float hsum(vx v) { /* lanes added in a fixed order */
-  float s = 0.0f;
-  for (int i = 0; i < LANES; i++) s += v[i];
-  return s;
+static inline float hsum(vx v) { /* lanes added in a fixed tree: halves, quarters, ... (one shuffle each) */
+#if LANES == 16
+  v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#else
+  v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3});
+  v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5});
+  v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6});
+#endif
+  return v[0];
 }
 
 /* exp(x) for x <= 0 (a softmax's shifted scores, a SiLU's -|x|): range reduction to 2^n * exp(r),
@@ -248,6 +264,55 @@ static inline __attribute__((always_inline)) float kv_at(const void *base, int64
   return f;
 }
 
+#define MAX_VECS 16 /* head sizes up to 16 vectors (256 floats with AVX-512) keep their output in registers */
+
+/* One (row, head): scores of keys j < length it may see, exps, then the weighted values, each in key order.
+ * ``d`` is a constant where the caller specialises it (the loops unroll; the output lives in registers). */
+static inline __attribute__((always_inline)) void attend_head(
+    const float *qh, const void *keys, const void *values, int64_t off, int64_t pos_stride, int64_t length,
+    const uint8_t *see, float scale, float *o, float *scratch, const int64_t d, const int bf16) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < length; j++) {
+    if (see && !see[j]) {
+      scratch[j] = -INFINITY;
+      continue;
+    }
+    const int64_t kj = off + j * pos_stride;
+    vx acc = (vx){};
+    int64_t i = 0;
+    for (; i + LANES <= d; i += LANES) acc += vload(qh + i) * kv_load(keys, kj + i, bf16);
+    float s = hsum(acc);
+    for (; i < d; i++) s += qh[i] * kv_at(keys, kj + i, bf16);
+    s *= scale;
+    scratch[j] = s;
+    if (s > top) top = s;
+  }
+  for (int64_t j = 0; j < length; j += LANES) vstore(scratch + j, vexp(vload(scratch + j) - top)); /* lanes past length: unused */
+  const int64_t vecs = d / LANES;
+  vx out[MAX_VECS];
+  for (int64_t c = 0; c < vecs && c < MAX_VECS; c++) out[c] = (vx){};
+  for (int64_t i = vecs <= MAX_VECS ? vecs * LANES : 0; i < d; i++) o[i] = 0.0f;
+  float total = 0.0f;
+  for (int64_t j = 0; j < length; j++) {
+    const float p = scratch[j];
+    if (p == 0.0f) continue;
+    total += p;
+    const int64_t vj = off + j * pos_stride;
+    if (vecs <= MAX_VECS) {
+      for (int64_t c = 0; c < vecs; c++) out[c] += p * kv_load(values, vj + c * LANES, bf16);
+    } else {
+      for (int64_t c = 0; c < vecs; c++) vstore(o + c * LANES, vload(o + c * LANES) + p * kv_load(values, vj + c * LANES, bf16));
+    }
+    for (int64_t i = vecs * LANES; i < d; i++) o[i] += p * kv_at(values, vj + i, bf16);
+  }
+  const float inv = 1.0f / total;
+  if (vecs <= MAX_VECS)
+    for (int64_t c = 0; c < vecs; c++) vstore(o + c * LANES, out[c] * inv);
+  else
+    for (int64_t c = 0; c < vecs; c++) vstore(o + c * LANES, vload(o + c * LANES) * inv);
+  for (int64_t i = vecs * LANES; i < d; i++) o[i] *= inv;
+}
+
 /* Attention of each query row over its own sequence's keys, one (row, head) at a time: scores and
  * exps per key, their sum and the weighted values in key order, one key at a time. Keys a row may not
  * see weigh exactly 0 and are skipped, so a row's bits depend only on the keys it sees and their order
@@ -264,41 +329,17 @@ static inline __attribute__((always_inline)) void attention(
   const int64_t group = heads / kv_heads;
   for (int64_t r = 0; r < rows; r++) {
     const uint8_t *see = allowed ? allowed + r * allowed_len : 0;
-    const int64_t length = limit[r];
     for (int64_t hh = 0; hh < heads; hh++) {
       const float *qh = q + r * ldq + hh * d;
       const int64_t off = slot[r] * slot_stride + (hh / group) * head_stride;
       float *o = out + (r * heads + hh) * d;
-      float top = -INFINITY;
-      for (int64_t j = 0; j < length; j++) {
-        if (see && !see[j]) {
-          scratch[j] = -INFINITY;
-          continue;
-        }
-        const int64_t kj = off + j * pos_stride;
-        vx acc = (vx){};
-        int64_t i = 0;
-        for (; i + LANES <= d; i += LANES) acc += vload(qh + i) * kv_load(keys, kj + i, bf16);
-        float s = hsum(acc);
-        for (; i < d; i++) s += qh[i] * kv_at(keys, kj + i, bf16);
-        s *= scale;
-        scratch[j] = s;
-        if (s > top) top = s;
-      }
-      for (int64_t j = 0; j < length; j += LANES) vstore(scratch + j, vexp(vload(scratch + j) - top)); /* lanes past length: unused */
-      float total = 0.0f;
-      for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
-      for (int64_t j = 0; j < length; j++) {
-        const float p = scratch[j];
-        if (p == 0.0f) continue;
-        total += p;
-        const int64_t vj = off + j * pos_stride;
-        int64_t i = 0;
-        for (; i + LANES <= d; i += LANES) vstore(o + i, vload(o + i) + p * kv_load(values, vj + i, bf16));
-        for (; i < d; i++) o[i] += p * kv_at(values, vj + i, bf16);
-      }
-      const float inv = 1.0f / total;
-      for (int64_t i = 0; i < d; i++) o[i] *= inv;
+      /* the same function whatever the branch: a constant d only lets the compiler unroll it */
+      if (d == 64)
+        attend_head(qh, keys, values, off, pos_stride, limit[r], see, scale, o, scratch, 64, bf16);
+      else if (d == 128)
+        attend_head(qh, keys, values, off, pos_stride, limit[r], see, scale, o, scratch, 128, bf16);
+      else
+        attend_head(qh, keys, values, off, pos_stride, limit[r], see, scale, o, scratch, d, bf16);
     }
   }
 }
