@@ -253,7 +253,10 @@ def slab_group(dec, slab: int, members: list[tuple[int, int, int, int]],
     lo = min(slot for slot, _, _, _ in members)
     hi = max(slot for slot, _, _, _ in members) + 1
     length = max(start + n for _, start, _, n in members)
-    if not getattr(dec, "native_attention", False):  # the native kernel reads only the keys a row sees
+    if getattr(dec, "native_attention", False):  # the native kernel reads only the keys a row sees: no padding,
+        for slot, start, _, n in members:  # but what this forward writes counts as finite for the pool's other readers
+            dec.pool.wrote(slab, slot, start, start + n)
+    else:
         for slot in range(lo, hi):  # every slot the view spans, to the padded length (masked keys are still multiplied)
             dec.pool.fill_to(slab, slot, round_up(length, KEY_BLOCK))
     tensor = dec.pool.slabs[slab]  # [layers, 2, slots, kv, context, d]
@@ -282,7 +285,9 @@ def alone_group(dec, cache: DecodeCache, start: int, first: int, n: int, mask: t
     wrote, grown to whole key blocks by the decoder) or another pool's slot. ``mask`` [n, start + n]:
     positions each row sees (None: causal)."""
     end = start + n
-    if cache.pooled and not getattr(dec, "native_attention", False):  # another pool's slot: finite up to the padded length
+    if cache.pooled and getattr(dec, "native_attention", False):  # another pool's slot: what it writes is finite
+        cache.pool.wrote(cache.slab, cache.slot, start, end)
+    elif cache.pooled:  # finite up to the padded length (masked keys are still multiplied)
         cache.pool.fill_to(cache.slab, cache.slot, round_up(end, KEY_BLOCK))
     buf = cache.buf
     return ExactGroup(
