@@ -109,7 +109,6 @@ static void block(const float *x, int64_t ldx, int64_t k, const float *panel, in
 #if MR > 6
     CASE(7) CASE(8)
 #endif
-
   }
 }
 
