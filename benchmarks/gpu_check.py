@@ -193,7 +193,8 @@ def load_verifier(plan: Plan, path: str, dtype: str, numerics: str, **extra):
 
 def describe(engine) -> str:
     graphs = ", CUDA graphs" if getattr(engine.runner, "graphs", None) is not None else ""
-    return f"{type(engine.runner).__name__}, {engine.numerics}{graphs}"
+    kernels = getattr(engine.runner, "exact_kernels", None)
+    return f"{type(engine.runner).__name__}, {engine.numerics}{f' ({kernels})' if kernels else ''}{graphs}"
 
 
 def graphs_field() -> str | None:
@@ -464,9 +465,17 @@ async def check_speed(plan: Plan, engines: Engines, demo: Pair, rand: Pair) -> d
             verifier = engines.get(rand.target, plan.lowp, numerics, **no_graphs)
             log(f"speed: {rand.name} numerics {numerics} ({describe(verifier)}): forwards {shapes}")
             ms[numerics] = forward_ms(verifier, plan.device, shapes, plan.context, plan.reps)
+            if numerics == "exact" and getattr(verifier.runner, "exact_kernels", None) == "triton":
+                verifier.runner.exact_kernels = "tiles"  # the loops Triton replaced, for the ratio (the switch is read per call)
+                try:
+                    log(f"speed: {rand.name} numerics exact on the PyTorch tiles instead: forwards {shapes}")
+                    ms["exact_tiles"] = forward_ms(verifier, plan.device, shapes, plan.context, plan.reps)
+                finally:
+                    verifier.runner.exact_kernels = "triton"
         for numerics, got in ms.items():
             results[f"numerics_{numerics}_ms {rand.name}"] = {f"{s}x{r}": v for (s, r), v in got.items()}
-        results[f"exact_over_fast {rand.name}"] = {f"{s}x{r}": ms["exact"][s, r] / ms["fast"][s, r] for s, r in shapes}
+        for numerics in ms.keys() - {"fast"}:
+            results[f"{numerics}_over_fast {rand.name}"] = {f"{s}x{r}": ms[numerics][s, r] / ms["fast"][s, r] for s, r in shapes}
 
     def cuda_graphs() -> None:
         field = graphs_field()

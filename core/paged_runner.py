@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.core import exact_ops, native_kernels
+from specdec.core import exact_ops, native_kernels, triton_exact
 from specdec.core.cuda_graphs import CudaGraphs, buckets_for
 from specdec.core.llama_decode import final_features
 from specdec.core.models import WeightRelease, restore_weights, weights_released
@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load (dynamic NTK and longrope are not)
 NUMERICS = ("fast", "exact")
+EXACT_KERNELS = ("auto", "native", "triton", "tiles")
 DEFAULT_MEMORY_FRACTION = 0.9  # without kv_memory_fraction: the budget's pages, at most this much of the memory
 CUDA_EXACT_PLAN = exact_ops.ExactPlan("tiled", 16)  # not verified on the device: benchmarks/gpu_check.py checks and times it
 
@@ -162,7 +163,10 @@ class PagedRunner:
     per layer over padded gathers, the default) or "loop" (one SDPA per sequence). ``cuda_graphs``:
     capture the fast forward at start-up for buckets of up to ``max_batch_sessions`` sessions
     (core/cuda_graphs.py); None: on CUDA in fast numerics. ``probe_threads``: CPU thread counts
-    exact numerics are checked at (as `LlamaDecoder`)."""
+    exact numerics are checked at (as `LlamaDecoder`). ``exact_kernels``: what exact numerics run on:
+    "native" (the CPU's C kernels), "triton" (core/triton_exact.py: one launch per linear and per
+    layer's attention), "tiles" (PyTorch GEMMs in fixed tiles, one sequence at a time); "auto":
+    native on a CPU where it builds, triton on CUDA where it imports, else tiles."""
     verifies_trees = True  # feeds with parents: each node at its depth's position, masked to its ancestors
     last_features = None
 
@@ -170,7 +174,7 @@ class PagedRunner:
                  kv_budget_tokens: int | None = None, max_sessions: int = 1, kv_memory_fraction: float | None = None,
                  numerics: str = "fast", own_weights: bool = False, attention: str = "batched",
                  cuda_graphs: bool | None = None, max_batch_sessions: int = 64,
-                 probe_threads: tuple[int, ...] | None = None) -> None:
+                 probe_threads: tuple[int, ...] | None = None, exact_kernels: str = "auto") -> None:
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a Llama-family model the paged runner serves "
                              f"({', '.join(ARCHITECTURES)} with SiLU and static rotary); use the HF runner")
@@ -178,6 +182,8 @@ class PagedRunner:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {numerics!r}")
         if attention not in ("batched", "loop"):
             raise ValueError(f"attention must be batched or loop; got {attention!r}")
+        if exact_kernels not in EXACT_KERNELS:
+            raise ValueError(f"exact_kernels must be one of {', '.join(EXACT_KERNELS)}; got {exact_kernels!r}")
         if weights_released(model):
             restore_weights(model)  # an earlier runner or decoder took them over: read them from the folder again
         cfg = model.config
@@ -201,9 +207,9 @@ class PagedRunner:
             self.layers = [self._layer(layer, release) for layer in base.layers]
             self.lm_head_weight = self._weight(model.lm_head.weight)  # (norms, o, down and the head are used as they are)
         self.layer_count = len(self.layers)
-        # on the CPU, exact attention in C (each row over the keys it sees, in order) where it builds
-        self.native_attention = (self.exact and self.device.type == "cpu" and self.dtype in native_kernels.KV_DTYPES
-                                 and native_kernels.available())
+        self.exact_kernels = self._exact_kernels(exact_kernels) if self.exact else None
+        # exact attention in C (each row over the keys it sees, in order); the load check below probes it
+        self.native_attention = self.exact_kernels == "native"
         self.exact_plan = self._exact_plan(probe_threads) if self.exact else None
         # Query rows per attention tile for a sequence of n rows: the plan's (checked) on the CPU, one
         # fixed size on CUDA, where nothing checked that other tile sizes keep a row's bits.
@@ -267,12 +273,23 @@ class PagedRunner:
         ln1, ln2 = w(layer.input_layernorm.weight), w(layer.post_attention_layernorm.weight)
         return ln1, (wqkv, bqkv), o, ln2, (wgu, gu_b), down
 
+    def _exact_kernels(self, asked: str) -> str:
+        native = self.device.type == "cpu" and self.dtype in native_kernels.KV_DTYPES and native_kernels.available()
+        if asked == "auto":
+            return "native" if native else "triton" if self.device.type == "cuda" and triton_exact.available() else "tiles"
+        if asked == "native" and not native:
+            raise ValueError("exact_kernels='native' needs the CPU, float32 or bfloat16, and kernels that build here")
+        if asked == "triton" and not triton_exact.available():
+            raise ValueError("exact_kernels='triton' needs Triton installed")
+        return asked
+
     def _exact_plan(self, probe_threads: tuple[int, ...] | None) -> exact_ops.ExactPlan:
         """What keeps a row's bits on this device: checked on the CPU (core/exact_ops.verify), the
         fixed CUDA plan elsewhere."""
-        if self.device.type != "cpu":
-            log.info("exact numerics on %s: linears in %d-row tiles, attention per sequence in fixed tiles "
-                     "(not checked at load; benchmarks/gpu_check.py checks and times it)", self.device, CUDA_EXACT_PLAN.min_tile)
+        if self.device.type != "cpu" or self.exact_kernels == "triton":
+            log.info("exact numerics on %s: %s (not checked at load; benchmarks/gpu_check.py checks and times it)", self.device,
+                     "Triton kernels of fixed tiles" if self.exact_kernels == "triton" else
+                     f"linears in {CUDA_EXACT_PLAN.min_tile}-row tiles, attention per sequence in fixed tiles")
             return CUDA_EXACT_PLAN
         shapes = tuple(dict.fromkeys([tuple(self.lm_head_weight.shape)] + [
             tuple(w.shape) for layer in self.layers for w in (layer[1][0], layer[2][0], layer[4][0], layer[5][0])]))
@@ -399,6 +416,9 @@ class PagedRunner:
         weight, bias = weight_bias
         if not self.exact:
             return F.linear(x, weight, bias)
+        if self.exact_kernels == "triton":
+            out = triton_exact.linear(x, weight)
+            return out if bias is None else out + bias
         out = exact_ops.wrap_linear(lambda rows: F.linear(rows, weight), self.exact_plan.linear_mode)(x)
         return out if bias is None else out + bias  # the bias after the GEMM: an elementwise, per-row add
 
@@ -467,6 +487,9 @@ class PagedRunner:
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
         if self.native_attention:
             return self._attend_native(batch, q, keys, values, window)
+        if self.exact_kernels == "triton":
+            seq_of_row, limits, allowed = self._row_masks(batch, window)
+            return triton_exact.attention(q, keys, values, batch.gather, seq_of_row, limits, allowed, 1.0 / math.sqrt(d))
         g = h // kv
         out = q.new_empty(batch.n, h * d)
         for lo, index, tiles in self._exact_layout(batch, window, gathers_cpu):
@@ -487,18 +510,25 @@ class PagedRunner:
         """Every row over its own sequence's gathered pages in C (core/native_kernels.py `attention`):
         it reads only the keys its mask lets it see, in position order, so nothing else in the batch
         touches its bits."""
-        cache = batch.__dict__.setdefault("_native", {})
-        if window not in cache:
-            allowed = batch.mask(window)[:, 0].reshape(-1, batch.longest)[batch.grid]  # [N, longest]
-            limits = batch.longest - allowed.flip(1).to(torch.uint8).argmax(1)  # one past each row's last seen key
-            slots = torch.repeat_interleave(torch.arange(len(batch.lengths)), torch.tensor(batch.lengths))
-            cache[window] = (slots, limits.contiguous(), allowed.to(torch.uint8).contiguous(), torch.empty(batch.longest + 64))
-        slots, limits, allowed, scratch = cache[window]
+        slots, limits, allowed = self._row_masks(batch, window)
+        scratch = batch.__dict__.setdefault("_scratch", torch.empty(batch.longest + 64))
         k = keys[batch.gather].permute(0, 2, 1, 3)  # [S, kv, longest, d], one copy for every row
         v = values[batch.gather].permute(0, 2, 1, 3)
         out = native_kernels.attention(q.float().contiguous(), k, v, slots, limits, allowed, 1.0 / math.sqrt(self.head_dim),
                                        scratch)
         return out.to(self.dtype)
+
+    @staticmethod
+    def _row_masks(batch: Batch, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per row of the batch: its sequence, one past its last visible position, and the positions it
+        sees [N, longest] (uint8), on the batch's device; built once per forward and window."""
+        cache = batch.__dict__.setdefault("_row_masks", {})
+        if window not in cache:
+            allowed = batch.mask(window)[:, 0].reshape(-1, batch.longest)[batch.grid].to(torch.uint8).contiguous()  # [N, longest]
+            limits = batch.longest - allowed.flip(1).argmax(1)  # one past each row's last seen key
+            seqs = torch.repeat_interleave(torch.arange(len(batch.lengths)), torch.tensor(batch.lengths)).to(allowed.device)
+            cache[window] = (seqs, limits.contiguous(), allowed)
+        return cache[window]
 
     def _exact_layout(self, batch: Batch, window: int | None, gathers_cpu: torch.Tensor) -> list:
         """Per sequence (first row, gather index [L] on the device, [(first row of tile, rows, bias)]),

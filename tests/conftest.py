@@ -14,11 +14,17 @@ checks run it.
 """
 from __future__ import annotations
 
-import uuid
+import os
+
+# Before anything imports Triton: its kernels (core/triton_exact.py) run on CPU tensors under its
+# interpreter here; there is no GPU in the test suite.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import uuid  # noqa: E402
 from collections.abc import Iterator
 from contextlib import ExitStack
 
-import pytest
+import pytest  # noqa: E402
 
 from redis_cluster import MISSING as REDIS_TOOLS_MISSING, RedisClusterProcs, SentinelProcs, tools as redis_tools
 from redis_server import delete_prefix, redis_url_for_tests

@@ -211,7 +211,7 @@ class VerifierEngine:
     def _paged(loaded: LoadedModel, config: TargetConfig, own_weights: bool) -> PagedRunner:
         """The paged runner, its pool sized by memory fraction (CUDA) or the KV budget. ``auto``
         numerics: exact where checked at load (the CPU; fast if its kernels cannot hold it), fast on
-        CUDA, where exact mode's tiles cost many times a forward (docs/performance.md, GPU check)."""
+        CUDA, where exact mode runs without CUDA graphs (docs/performance.md, GPU check)."""
         build = functools.partial(PagedRunner, loaded.model, page_tokens=config.kv_page_tokens,
                                   kv_budget_tokens=config.max_kv_tokens, max_sessions=config.max_sessions,
                                   kv_memory_fraction=config.kv_memory_fraction, own_weights=own_weights,
