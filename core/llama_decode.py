@@ -655,11 +655,40 @@ class LlamaDecoder:
                 out[g.rows] = g.attend(i, q, k, v)
             return out
 
-        x = self.layers_with(x, rotary, attend)
+        if self._fusable(groups, total):
+            x = self._layers_fused(x, rotary, groups[0])
+        else:
+            x = self.layers_with(x, rotary, attend)
         self.last_features = final_features(x, offsets, num_features, self.final_norm, self.eps)
         rows = torch.tensor([r for b, m in enumerate(num_last) for r in range(offsets[b + 1] - m, offsets[b + 1])])
         logits = self.lm_head(self.norm(x[rows], self.final_norm)).float()  # [sum(num_last), vocab]
         return list(logits.split(num_last))
+
+    def _fusable(self, groups: list, rows: int) -> bool:
+        """Whether this forward is one sequence's causal rows in exact numerics on native kernels, few
+        enough that no linear is split over threads: then each layer is one C call (`_layers_fused`)."""
+        if not (self.native_ops and len(groups) == 1 and isinstance(groups[0], exact_ops.ExactGroup)):
+            return False
+        g = groups[0]
+        linears = [f for layer in self.layers for f in (layer[1], layer[2], layer[4], layer[5])]
+        if not all(isinstance(f, native_kernels.NativeLinear) for f in linears):  # (wrapped by an exact plan)
+            return False
+        widest = max(f.shape[0] * f.shape[1] for f in linears)
+        return (g.native and g.one and g.in_order and g.allowed is None
+                and (torch.get_num_threads() == 1 or rows * widest < native_kernels.PARALLEL_MACS))
+
+    def _layers_fused(self, x: torch.Tensor, rotary: torch.Tensor, group: exact_ops.ExactGroup) -> torch.Tensor:
+        """`layers_with` for one sequence, a C call per layer (core/native_kernels.py `decoder_layer`):
+        the same kernels in the same order, so the same bits, without the Python between them."""
+        x = x.contiguous().clone()
+        n, start = x.shape[0], group.first_position
+        shape = (self.n_heads, self.n_kv, self.head_dim, self.intermediate)
+        cos_sin = torch.view_as_real(rotary).contiguous()
+        work = torch.empty(native_kernels.decoder_layer_work(n, self.hidden, shape, start))
+        for i, layer in enumerate(self.layers):
+            keys, values = group.layer_kv(i)  # [1, kv, positions, d]
+            native_kernels.decoder_layer(x, layer, shape, self.eps, cos_sin, keys[0], values[0], start, work)
+        return x
 
     def keep_path(self, cache: DecodeCache, first: int, path: Sequence[int]) -> None:
         """After a tree step whose nodes' keys and values lie at buffer positions ``first + node``: move

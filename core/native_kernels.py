@@ -20,6 +20,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -94,6 +95,9 @@ def library() -> ctypes.CDLL | None:
     ):
         getattr(lib, name).argtypes = types
         getattr(lib, name).restype = None
+    lib.specdec_decoder_layer.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr, ptr,
+                                          ptr, i64, i64, i64, f32, ptr]
+    lib.specdec_decoder_layer.restype = None
     return lib
 
 
@@ -214,3 +218,26 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: 
         keys.stride(1), keys.stride(2), limits.data_ptr(), _ptr(allowed), 0 if allowed is None else allowed.shape[1],
         ctypes.c_float(scale), out.data_ptr(), scratch.data_ptr())
     return out
+
+
+def decoder_layer(x: torch.Tensor, layer: tuple, shape: tuple[int, int, int, int], eps: float, cos_sin: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, start: int, work: torch.Tensor) -> None:
+    """One decoder layer over one sequence's rows ``x`` [n, hidden] (updated in place) in one call, with the
+    per-op path's kernels in its order (so the same bits): ``layer`` (ln1, qkv, o, ln2, gate_up, down) with
+    NativeLinear projections, ``shape`` (heads, kv_heads, head_dim, intermediate), ``cos_sin`` [n, d / 2, 2],
+    ``keys``/``values`` [kv, positions, d] of this layer (head_dim contiguous, same strides), rows at
+    positions ``start``..; ``work``: `decoder_layer_work` floats."""
+    ln1, qkv, o, ln2, gate_up, down = layer
+    heads, kv, d, inter = shape
+    n, hidden = x.shape
+    library().specdec_decoder_layer(
+        x.data_ptr(), n, hidden, heads, kv, d, inter, ln1.data_ptr(), ln2.data_ptr(), ctypes.c_float(eps),
+        qkv.panels.data_ptr(), o.panels.data_ptr(), gate_up.panels.data_ptr(), down.panels.data_ptr(), cos_sin.data_ptr(),
+        keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), start, ctypes.c_float(1.0 / math.sqrt(d)),
+        work.data_ptr())
+
+
+def decoder_layer_work(n: int, hidden: int, shape: tuple[int, int, int, int], start: int) -> int:
+    """Floats of scratch `decoder_layer` needs for ``n`` rows from position ``start``."""
+    heads, kv, d, inter = shape
+    return n * (2 * hidden + (heads + 2 * kv) * d + (heads + kv) * d + heads * d + 3 * inter) + start + n + 64

@@ -184,3 +184,23 @@ def test_a_compiler_that_fails_turns_native_kernels_off_with_a_reason(monkeypatc
         monkeypatch.undo()
         native_kernels.library.cache_clear()
     assert native_kernels.available()  # built again (or found) with the real compiler
+
+
+def test_one_sequence_runs_a_c_call_per_layer_with_the_per_op_paths_bits(monkeypatch):
+    """The exact forward of one sequence (prefill, single rows, a 3-row block) fuses each layer into one
+    C call; its logits and its cache are bitwise the per-op path's."""
+    model = tiny_llama(2, seed=21)
+    fused, per_op = LlamaDecoder(model, numerics="exact"), LlamaDecoder(model, numerics="exact")
+    monkeypatch.setattr(per_op, "_fusable", lambda groups, rows: False)
+    calls = []
+    real = native_kernels.decoder_layer
+    monkeypatch.setattr(native_kernels, "decoder_layer", lambda *a: (calls.append(1), real(*a))[1])
+    caches = fused.new_cache(), per_op.new_cache()
+    prompt = list(range(3, 60))
+    feeds = [(prompt, 0, 1), ([5], 57, 1), ([9], 58, 1), ([7, 8, 9], 59, 3)]
+    for tokens, start, last in feeds:
+        a = fused.forward(caches[0], tokens, start, last)
+        b = per_op.forward(caches[1], tokens, start, last)
+        assert torch.equal(a, b), start
+    assert len(calls) == len(feeds) * len(fused.layers)
+    assert torch.equal(caches[0].buf[:, :, :, :62], caches[1].buf[:, :, :, :62])

@@ -354,3 +354,39 @@ static inline __attribute__((always_inline)) void attention(
 
 void specdec_attention(ATTENTION_ARGS) { ATTENTION_CALL(0); }
 void specdec_attention_bf16(ATTENTION_ARGS) { ATTENTION_CALL(1); }
+
+/* ---------------------------------------------------------------- one decoder layer, one sequence
+ * The exact path's layer for one sequence's rows in one call: the same kernels, in the same order, as
+ * the per-op path (core/llama_decode.py `layers_with`), so a row's bits are the same either way; what
+ * it saves is the Python between them. x [n, hidden] is updated in place; row r sits at position
+ * start + r and sees positions 0..start + r of the layer's keys/values (``pos_stride`` apart, KV head
+ * g at g * head_stride), where its own key and value are written first. ``work``: at least
+ * n * (2 * hidden + qkv_out + (heads + kv) * d + heads * d + 3 * inter) + start + n + LANES floats. */
+void specdec_decoder_layer(float *x, int64_t n, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d,
+                           int64_t inter, const float *ln1, const float *ln2, float eps, const float *qkv_w,
+                           const float *o_w, const float *gu_w, const float *down_w, const float *cos_sin, float *keys,
+                           float *values, int64_t head_stride, int64_t pos_stride, int64_t start, float scale, float *work) {
+  const int64_t qkv_out = (heads + 2 * kv_heads) * d, qk_width = (heads + kv_heads) * d;
+  float *normed = work, *qkv = normed + n * hidden, *qk = qkv + n * qkv_out, *att = qk + n * qk_width;
+  float *tmp = att + n * heads * d, *gu = tmp + n * hidden, *act = gu + n * 2 * inter, *scratch = act + n * inter;
+  specdec_rms_norm(x, n, hidden, hidden, ln1, eps, normed);
+  specdec_gemm(normed, n, hidden, qkv_w, qkv_out, qkv, 0, (qkv_out + NR - 1) / NR);
+  specdec_rotary(qkv, n, qkv_out, heads + kv_heads, d, cos_sin, qk);
+  for (int64_t r = 0; r < n; r++)
+    for (int64_t g = 0; g < kv_heads; g++) {
+      const int64_t at = g * head_stride + (start + r) * pos_stride;
+      memcpy(keys + at, qk + r * qk_width + (heads + g) * d, (size_t)d * sizeof(float));
+      memcpy(values + at, qkv + r * qkv_out + qk_width + g * d, (size_t)d * sizeof(float));
+    }
+  int64_t slot[n], limit[n];
+  for (int64_t r = 0; r < n; r++) slot[r] = 0, limit[r] = start + r + 1;
+  specdec_attention(qk, n, qk_width, heads, kv_heads, d, keys, values, slot, 0, head_stride, pos_stride, limit, 0, 0,
+                    scale, att, scratch);
+  specdec_gemm(att, n, heads * d, o_w, hidden, tmp, 0, (hidden + NR - 1) / NR);
+  for (int64_t i = 0; i < n * hidden; i++) x[i] += tmp[i];
+  specdec_rms_norm(x, n, hidden, hidden, ln2, eps, normed);
+  specdec_gemm(normed, n, hidden, gu_w, 2 * inter, gu, 0, (2 * inter + NR - 1) / NR);
+  specdec_swiglu(gu, n, 2 * inter, inter, act);
+  specdec_gemm(act, n, inter, down_w, hidden, tmp, 0, (hidden + NR - 1) / NR);
+  for (int64_t i = 0; i < n * hidden; i++) x[i] += tmp[i];
+}
