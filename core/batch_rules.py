@@ -32,7 +32,7 @@ from specdec.core import rng
 from specdec.core.coupled import coupled_verify_one, processed_logprobs
 from specdec.core.noise import gumbel_noise
 from specdec.core.rejection import greedy_verify, rejection_sample
-from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from
+from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from, top_ids
 
 Outcome = tuple[tuple[int, ...], int]  # (the tokens to commit, num_accepted)
 
@@ -186,7 +186,7 @@ class Decided:
 
 def _decide_greedy(logits: torch.Tensor, steps: Sequence[RuleStep], layout: _Layout) -> Decided:
     # argmax breaks ties to the lowest id, row by row, as greedy_verify's does.
-    return _exact_match(logits.argmax(dim=-1), layout)
+    return _exact_match(top_ids(logits), layout)
 
 
 def _decide_coupled(logits: torch.Tensor, steps: Sequence[RuleStep], layout: _Layout) -> Decided:
@@ -195,7 +195,7 @@ def _decide_coupled(logits: torch.Tensor, steps: Sequence[RuleStep], layout: _La
     # The noise of (seed, position): one call per session, as its rows have their own seed; made on
     # the CPU and moved once for the group (core/noise.py says why it is not made on the device).
     noise = torch.cat([gumbel_noise(s.sampling.seed, range(s.position, s.position + s.k + 1), vocab) for s in steps])
-    return _exact_match(logprobs.add_(noise.to(logprobs.device)).argmax(dim=-1), layout)
+    return _exact_match(top_ids(logprobs.add_(noise.to(logprobs.device))), layout)
 
 
 def _exact_match(target_ids: torch.Tensor, layout: _Layout) -> Decided:

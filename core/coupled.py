@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from specdec.core.rejection import exact_match_verify
-from specdec.core.sampling import SamplingParams, probs_from_logits
+from specdec.core.sampling import SamplingParams, probs_from_logits, top_ids
 
 
 def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -52,7 +52,7 @@ def coupled_token(logprobs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """
     if logprobs.shape != noise.shape:
         raise ValueError(f"logprobs and noise must have one shape, got {list(logprobs.shape)} and {list(noise.shape)}")
-    return (logprobs + noise.to(logprobs.device)).argmax(dim=-1)
+    return top_ids(logprobs + noise.to(logprobs.device))
 
 
 def coupled_draft(draft_logprobs: torch.Tensor, noise: torch.Tensor) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from specdec.core.kv import common_prefix_len
-from specdec.core.sampling import sample_from
+from specdec.core.sampling import sample_from, top_ids
 
 
 def rejection_sample(
@@ -104,4 +104,4 @@ def greedy_verify(draft_token_ids: tuple[int, ...], logits: torch.Tensor) -> tup
     ``argmax`` and ``probs_from_logits`` agree), at a tenth of its cost per step
     (tests/test_rejection.py holds the two to the same output). ``logits``: [k+1, vocab].
     """
-    return exact_match_verify(draft_token_ids, logits.argmax(dim=-1).tolist())
+    return exact_match_verify(draft_token_ids, top_ids(logits).tolist())

@@ -27,7 +27,7 @@ import torch
 from specdec.core import rng
 from specdec.core.coupled import processed_logprobs
 from specdec.core.noise import gumbel_noise
-from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from
+from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from, top_ids
 from specdec.core.tree import ROOT, DraftTree
 
 
@@ -62,10 +62,10 @@ def decide_tree(logits: torch.Tensor, step: TreeStep) -> TreeOutcome:
     if tree.token_ids and not (0 <= min(tree.token_ids) and max(tree.token_ids) < vocab):
         raise ValueError(f"tree tokens must be inside the vocabulary [0, {vocab})")
     if sampling.greedy:
-        return _walk_exact(tree, logits.argmax(dim=-1).tolist())
+        return _walk_exact(tree, top_ids(logits).tolist())
     if sampling.coupled:
         noise = gumbel_noise(sampling.seed, row_positions(step), vocab).to(logits.device)  # [n + 1, vocab]
-        return _walk_exact(tree, (processed_logprobs(logits, sampling) + noise).argmax(dim=-1).tolist())
+        return _walk_exact(tree, top_ids(processed_logprobs(logits, sampling) + noise).tolist())
     return _walk_rejection(probs_from_logits(logits, sampling), step)
 
 
@@ -75,7 +75,7 @@ def decide_tree_batch(logits: torch.Tensor, steps: Sequence[TreeStep]) -> list[T
     if logits.dim() != 2 or logits.shape[0] != sum(sizes):
         raise ValueError(f"logits must have sum(nodes + 1) = {sum(sizes)} rows, got {list(logits.shape)}")
     if all(s.sampling.greedy for s in steps):  # one argmax and one transfer for the whole batch
-        ids, out, row = logits.argmax(dim=-1).tolist(), [], 0
+        ids, out, row = top_ids(logits).tolist(), [], 0
         for s, size in zip(steps, sizes):
             out.append(_walk_exact(s.tree, ids[row:row + size]))
             row += size
