@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 from specdec.bench_methods import BenchConfig, Method
 from specdec.core.sessions import SpecCounters
 from specdec.core.speculation import SpeculationMode, SpeculationPolicy
+from specdec.ports import free_ports
 
 
 class BenchError(Exception):
@@ -177,22 +177,10 @@ class Deployment:
 
 def free_base_port() -> int:
     """A port p with p, p+1 and p+2 free on loopback (orchestrator, draft, target)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + 2 < 65536 and all(_free(base + i) for i in range(3)):
-            return base
-    raise BenchError("no three consecutive free ports on 127.0.0.1")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    try:
+        return free_ports(3)
+    except OSError as exc:
+        raise BenchError(str(exc)) from exc
 
 
 async def until_exit_or(awaitable: Awaitable, deployment: Deployment):

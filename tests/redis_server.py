@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specdec.core.redis_connect import connect_sync
+from specdec.ports import free_ports
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 6379
 
@@ -31,9 +32,7 @@ def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)  # outside the ephemeral range (specdec/ports.py says why)
 
 
 @contextmanager

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.ports import free_ports
 from specdec.core.llama_decode import native_bf16
 from specdec.v1 import common_pb2, generation_pb2 as pb, generation_pb2_grpc
 
@@ -86,23 +86,8 @@ def test_draft_with_another_tokenizer_is_refused(tiny_pair, tmp_path, capsys):
 
 
 def free_port_block(n: int = 3) -> int:
-    """A base port with n consecutive free ports."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65535 and all(_free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no free port block")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    """A base port with n consecutive free ports (outside the ephemeral range: specdec/ports.py)."""
+    return free_ports(n)
 
 
 def wait_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:

@@ -15,6 +15,7 @@ from specdec import roles
 from specdec.core.errors import WorkerUnavailable
 from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 from specdec.draft.drafters import DraftConfig
+from specdec.ports import free_ports
 from specdec.orchestrator.loop import Chunk, FinishReason, Orchestrator, collect
 from specdec.orchestrator.remote import RemoteVerifyWorker
 from specdec.orchestrator.request import GenerationRequest
@@ -29,11 +30,7 @@ PROMPT = "def f():"  # the tiny target emits no end-of-sequence within 150 token
 
 
 def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
 def greedy(max_new: int, k: int = 3, drafter: str = "model") -> GenerationRequest:

@@ -1,0 +1,58 @@
+"""Free loopback ports for servers this process is about to start (`specdec bench`'s deployment,
+benchmarks/ and the tests).
+
+A port the kernel hands out for ``bind(0)`` lies in its ephemeral range, and once that socket is
+closed any outgoing connection may take it before the server binds it (a test's Redis failed so:
+"Address already in use"). These ports come from just below that range instead, which the kernel
+never assigns by itself, and a process never hands out one port twice.
+"""
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_SPAN = 12000  # ports tried below the ephemeral range
+_given: set[int] = set()
+_random = random.Random()  # its own: a test that seeds the global RNG must not make two runs pick alike
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere a guess
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int = 1) -> int:
+    """The first of ``count`` consecutive ports that nothing on 127.0.0.1 listens on now, outside the
+    ephemeral range where possible (where that range starts too low, the kernel's own choice)."""
+    high = _ephemeral_low() - count
+    low = max(1024, high - _SPAN)
+    for _ in range(500):
+        if high <= low:
+            break
+        base = _random.randint(low, high)
+        ports = range(base, base + count)
+        if not _given.intersection(ports) and all(_bindable(p) for p in ports):
+            _given.update(ports)
+            return base
+    for _ in range(50):  # no room below the range: the kernel's choice, as before
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        ports = range(base, base + count)
+        if base + count <= 65535 and not _given.intersection(ports) and all(_bindable(p) for p in ports):
+            _given.update(ports)
+            return base
+    raise OSError(f"no {count} consecutive free ports on 127.0.0.1")
