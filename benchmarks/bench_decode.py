@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,12 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import pair_arguments, Timer, held_out_prompts, median  # noqa: E402
-
-
-def free_base_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1] + 10
+from specdec.ports import free_ports  # noqa: E402
 
 
 def main() -> int:
@@ -84,7 +78,7 @@ def main() -> int:
 
         from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 
-        base = free_base_port()
+        base = free_ports(3)
         procs = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--target", args.target, "--draft", args.draft,
                                   "--base-port", str(base)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         channel = grpc.insecure_channel(f"127.0.0.1:{base}")

@@ -34,16 +34,18 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def free_ports(count: int = 1) -> int:
+def free_ports(count: int = 1, plus: int = 0) -> int:
     """The first of ``count`` consecutive ports that nothing on 127.0.0.1 listens on now, outside the
-    ephemeral range where possible (where that range starts too low, the kernel's own choice)."""
-    high = _ephemeral_low() - count
+    ephemeral range where possible (where that range starts too low, the kernel's own choice); with
+    ``plus``, the same ports shifted by ``plus`` are free and below the range too (a Redis Cluster
+    node's bus port is its port + 10000)."""
+    high = _ephemeral_low() - count - plus
     low = max(1024, high - _SPAN)
     for _ in range(500):
         if high <= low:
             break
         base = _random.randint(low, high)
-        ports = range(base, base + count)
+        ports = [*range(base, base + count), *(range(base + plus, base + plus + count) if plus else ())]
         if not _given.intersection(ports) and all(_bindable(p) for p in ports):
             _given.update(ports)
             return base
@@ -51,8 +53,8 @@ def free_ports(count: int = 1) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        ports = range(base, base + count)
-        if base + count <= 65535 and not _given.intersection(ports) and all(_bindable(p) for p in ports):
+        ports = [*range(base, base + count), *(range(base + plus, base + plus + count) if plus else ())]
+        if max(ports) <= 65535 and not _given.intersection(ports) and all(_bindable(p) for p in ports):
             _given.update(ports)
             return base
     raise OSError(f"no {count} consecutive free ports on 127.0.0.1")

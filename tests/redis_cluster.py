@@ -13,7 +13,6 @@ import atexit
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,29 +22,18 @@ import redis
 from redis.crc import key_slot
 
 from redis_server import ping
+from specdec.ports import free_ports
 
 NODE_TIMEOUT_MS = 1000
 SERVICE = "mymaster"
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_cluster_port(taken: set[int]) -> int:
-    """A free port P <= 55535 whose cluster bus port P + 10000 is free too."""
-    for _ in range(1000):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port > 55535:
-            port = 20000 + port % 30000
-        if port not in taken and port + 10000 not in taken and _port_free(port) and _port_free(port + 10000):
+    """A free port P <= 55535 whose cluster bus port P + 10000 is free too (both outside the ephemeral
+    range: specdec/ports.py)."""
+    for _ in range(100):
+        port = free_ports(1, plus=10000)
+        if port <= 55535 and port not in taken and port + 10000 not in taken:
             taken.update((port, port + 10000))
             return port
     raise RuntimeError("no free port pair for a Redis Cluster node")
