@@ -63,7 +63,7 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load 
 NUMERICS = ("fast", "exact")
 EXACT_KERNELS = ("auto", "native", "triton", "tiles")
 DEFAULT_MEMORY_FRACTION = 0.9  # without kv_memory_fraction: the budget's pages, at most this much of the memory
-CUDA_EXACT_PLAN = exact_ops.ExactPlan("tiled", 16)  # not verified on the device: benchmarks/gpu_check.py checks and times it
+CUDA_EXACT_PLAN = exact_ops.ExactPlan("tiled", 16)  # exact_kernels="tiles" off the CPU: checked on an H200 by benchmarks/gpu_check.py
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -285,7 +285,7 @@ class PagedRunner:
 
     def _exact_plan(self, probe_threads: tuple[int, ...] | None) -> exact_ops.ExactPlan:
         """What keeps a row's bits on this device: checked on the CPU (core/exact_ops.verify), the
-        fixed CUDA plan elsewhere."""
+        fixed plan elsewhere and for the Triton kernels (whose tiles never change with the batch)."""
         if self.device.type != "cpu" or self.exact_kernels == "triton":
             log.info("exact numerics on %s: %s (not checked at load; benchmarks/gpu_check.py checks and times it)", self.device,
                      "Triton kernels of fixed tiles" if self.exact_kernels == "triton" else
