@@ -8,7 +8,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specdec.core.errors import InvalidRequest, SpecdecError
-from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from
+from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from, top_ids
 
 MAX_UNIFORM = 1.0 - 2.0**-53  # the largest float64 uniform specdec.core.rng returns
 
@@ -315,3 +315,18 @@ def test_sample_from_is_deterministic_and_keeps_batch_shape():
     for i in range(2):
         for j in range(3):
             assert first[i, j] == sample_from(probs[i, j][None], uniforms[i, j][None])[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_ids_are_argmaxs_ties_to_the_lowest_id_and_nan_first(dtype):
+    """The rules' top_ids (max(dim=-1).indices, faster on the CPU) gives argmax's index in every case
+    greedy equality depends on: ties, NaN, -inf rows, one row or many."""
+    g = torch.Generator().manual_seed(3)
+    rows = (torch.randn(50, 300, generator=g) * 4).round()  # rounded: many ties
+    rows[3, 7] = rows[3, 9] = rows[3].max() + 1  # a tie at the top: the lower id wins
+    rows[5, 11] = float("nan")
+    rows[6] = float("-inf")
+    rows = rows.to(dtype)
+    assert torch.equal(top_ids(rows), rows.argmax(dim=-1))
+    assert int(top_ids(rows)[3]) == 7 and int(top_ids(rows)[5]) == 11 and int(top_ids(rows)[6]) == 0
+    assert torch.equal(top_ids(rows[0]), rows[0].argmax())
