@@ -320,6 +320,11 @@ class LlamaDecoder:
         self.exact_plan: exact_ops.ExactPlan | None = None
         if self.exact:
             self.exact_plan = self._verify_exact(probe_threads)
+        # a layer can be one C call (`_layers_fused`) when every projection is a bare NativeLinear (an
+        # exact plan may have wrapped them); the widest one's multiply-adds per row, else None
+        linears = [f for layer in self.layers for f in (layer[1], layer[2], layer[4], layer[5])]
+        self._fused_macs = (max(f.shape[0] * f.shape[1] for f in linears) if self.native_ops and all(
+            isinstance(f, native_kernels.NativeLinear) for f in linears) else None)
 
     def _cast(self, w: torch.Tensor) -> torch.Tensor:
         """``w`` in this decoder's dtype, contiguous: ``w`` itself where it already is."""
@@ -667,20 +672,16 @@ class LlamaDecoder:
     def _fusable(self, groups: list, rows: int) -> bool:
         """Whether this forward is one sequence's causal rows in exact numerics on native kernels, few
         enough that no linear is split over threads: then each layer is one C call (`_layers_fused`)."""
-        if not (self.native_ops and len(groups) == 1 and isinstance(groups[0], exact_ops.ExactGroup)):
+        if self._fused_macs is None or len(groups) != 1 or not isinstance(groups[0], exact_ops.ExactGroup):
             return False
         g = groups[0]
-        linears = [f for layer in self.layers for f in (layer[1], layer[2], layer[4], layer[5])]
-        if not all(isinstance(f, native_kernels.NativeLinear) for f in linears):  # (wrapped by an exact plan)
-            return False
-        widest = max(f.shape[0] * f.shape[1] for f in linears)
         return (g.native and g.one and g.in_order and g.allowed is None
-                and (torch.get_num_threads() == 1 or rows * widest < native_kernels.PARALLEL_MACS))
+                and (torch.get_num_threads() == 1 or rows * self._fused_macs < native_kernels.PARALLEL_MACS))
 
     def _layers_fused(self, x: torch.Tensor, rotary: torch.Tensor, group: exact_ops.ExactGroup) -> torch.Tensor:
         """`layers_with` for one sequence, a C call per layer (core/native_kernels.py `decoder_layer`):
         the same kernels in the same order, so the same bits, without the Python between them."""
-        x = x.contiguous().clone()
+        x = x.contiguous()  # (the embedding's gather: a fresh tensor, updated in place below)
         n, start = x.shape[0], group.first_position
         shape = (self.n_heads, self.n_kv, self.head_dim, self.intermediate)
         cos_sin = torch.view_as_real(rotary).contiguous()

@@ -39,22 +39,24 @@ def free_ports(count: int = 1, plus: int = 0) -> int:
     ephemeral range where possible (where that range starts too low, the kernel's own choice); with
     ``plus``, the same ports shifted by ``plus`` are free and below the range too (a Redis Cluster
     node's bus port is its port + 10000)."""
+
+    def take(base: int) -> bool:
+        ports = [*range(base, base + count), *(range(base + plus, base + plus + count) if plus else ())]
+        if max(ports) > 65535 or _given.intersection(ports) or not all(_bindable(p) for p in ports):
+            return False
+        _given.update(ports)
+        return True
+
     high = _ephemeral_low() - count - plus
     low = max(1024, high - _SPAN)
-    for _ in range(500):
-        if high <= low:
-            break
+    for _ in range(500 if high > low else 0):
         base = _random.randint(low, high)
-        ports = [*range(base, base + count), *(range(base + plus, base + plus + count) if plus else ())]
-        if not _given.intersection(ports) and all(_bindable(p) for p in ports):
-            _given.update(ports)
+        if take(base):
             return base
     for _ in range(50):  # no room below the range: the kernel's choice, as before
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        ports = [*range(base, base + count), *(range(base + plus, base + plus + count) if plus else ())]
-        if max(ports) <= 65535 and not _given.intersection(ports) and all(_bindable(p) for p in ports):
-            _given.update(ports)
+        if take(base):
             return base
     raise OSError(f"no {count} consecutive free ports on 127.0.0.1")

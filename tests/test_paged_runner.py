@@ -5,6 +5,7 @@ out of pages, and the CUDA-graph bucketing and padding (replayed eagerly here)."
 from __future__ import annotations
 
 import gc
+import importlib.util
 import secrets
 from pathlib import Path
 
@@ -154,10 +155,14 @@ def test_running_out_of_pages_mid_forward_leaves_the_other_sessions_intact(famil
 
 # ---------------------------------------------------------------------------------- exact numerics
 
+@pytest.mark.parametrize("kernels", ["auto", pytest.param("triton", marks=pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="Triton is not installed (the dev extras bring it)"))])
 @pytest.mark.parametrize("name", ["llama", "mistral"])
-def test_exact_a_row_is_bitwise_the_same_alone_in_its_block_or_beside_other_sessions(family, name):
+def test_exact_a_row_is_bitwise_the_same_alone_in_its_block_or_beside_other_sessions(family, name, kernels):
+    """Also on core/triton_exact.py's CUDA kernels, run here by Triton's interpreter (tests/conftest.py)."""
     model = load_causal_lm(family[name]).model
-    one, many = (PagedRunner(model, page_tokens=4, num_pages=200, numerics="exact") for _ in range(2))
+    one, many = (PagedRunner(model, page_tokens=4, num_pages=200, numerics="exact", exact_kernels=kernels) for _ in range(2))
+    assert kernels == "auto" or one.exact_kernels == kernels
     prefix, block = ids(21), [7, 8, 9, 10]
     # alone: the prefix, then each position fed on its own
     c = one.new_cache()

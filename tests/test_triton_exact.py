@@ -1,6 +1,6 @@
 """core/triton_exact.py's CUDA kernels for exact numerics, run by Triton's interpreter on the CPU:
-their results against PyTorch's, and a row's bits alone and in any batch (a GPU shows their speed:
-benchmarks/gpu_check.py)."""
+their results against PyTorch's, and a row's bits alone and in any batch (the paged runner on them:
+tests/test_paged_runner.py's exact test, parametrized; a GPU shows their speed: benchmarks/gpu_check.py)."""
 from __future__ import annotations
 
 import math
@@ -15,7 +15,6 @@ pytest.importorskip("triton")
 from specdec.core import triton_exact  # noqa: E402
 from specdec.core.models import load_causal_lm  # noqa: E402
 from specdec.core.paged_runner import PagedRunner  # noqa: E402
-from specdec.core.runner import Feed  # noqa: E402
 from test_paged_runner import family, ids, steps  # noqa: E402,F401  (family: the fixture)
 
 
@@ -64,23 +63,6 @@ def test_attention_reads_pages_through_the_gather_and_keeps_a_row_alone_bitwise(
         torch.testing.assert_close(out[r].double(), reference_attention(q[r], keys, values, seen, scale), atol=1e-5, rtol=1e-5)
         alone = triton_exact.attention(q[r:r + 1], keys, values, gather, seqs[r:r + 1], limits[r:r + 1], allowed[r:r + 1], scale)
         assert torch.equal(alone[0], out[r]), r
-
-
-@pytest.mark.parametrize("name", ["llama", "mistral"])
-def test_the_paged_runner_on_triton_kernels_gives_a_row_its_bits_alone_in_a_block_or_beside_others(family, name):  # noqa: F811
-    model = load_causal_lm(family[name]).model
-    one, many = (PagedRunner(model, page_tokens=4, num_pages=200, numerics="exact", exact_kernels="triton") for _ in range(2))
-    assert one.exact_kernels == "triton"
-    prefix, block = ids(21), [7, 8, 9, 10]
-    c = one.new_cache()
-    one.forward([Feed(c, 0, prefix[:-1], 1)])
-    tokens = prefix[-1:] + block[:-1]
-    alone = torch.cat([one.forward([Feed(c, len(prefix) - 1 + j, [t], 1)])[0] for j, t in enumerate(tokens)])
-    c, other = many.new_cache(), many.new_cache()
-    many.forward([Feed(c, 0, prefix[:-1], 1), Feed(other, 0, ids(9), 1)])
-    out = many.forward([Feed(many.new_cache(), 0, ids(30), 1), Feed(c, len(prefix) - 1, tokens, 4),
-                        Feed(other, 9, [3, 4, 5], 3)])
-    assert torch.equal(out[1], alone)
 
 
 def test_the_triton_forward_matches_the_fast_one(family):  # noqa: F811
