@@ -20,6 +20,11 @@ import os
 # interpreter here; there is no GPU in the test suite.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from triton_rows import row_invariant_dot  # noqa: E402
+
+if os.environ["TRITON_INTERPRET"] == "1":
+    row_invariant_dot()  # a row's bits in the interpreter's tl.dot must not depend on numpy's BLAS
+
 import uuid  # noqa: E402
 from collections.abc import Iterator
 from contextlib import ExitStack

@@ -37,6 +37,17 @@ def test_linear_matches_pytorch_and_a_row_keeps_its_bits_in_any_batch(dtype):
         assert torch.equal(triton_exact.linear(x[lo:hi], weight), y[lo:hi]), (lo, hi)
 
 
+def test_linear_on_order_free_inputs_is_exact_in_any_batch():
+    """Small integers over 2^4: every partial sum is exact in float32, so no summation order (the
+    kernel's, numpy's in the interpreter, a GPU's) can change a bit; a wrong index, mask or tile can."""
+    g = gen(3)
+    weight = torch.randint(-8, 9, (100, 80), generator=g).float() / 16
+    x = torch.randint(-8, 9, (40, 80), generator=g).float() / 16
+    want = (x.double() @ weight.double().T).float()  # exact: the float64 sums hold every bit
+    for lo, hi in ((0, 40), (0, 1), (3, 4), (5, 22), (16, 40)):
+        assert torch.equal(triton_exact.linear(x[lo:hi], weight), want[lo:hi]), (lo, hi)
+
+
 def reference_attention(q, keys, values, positions, scale):
     """One row [heads, d] over the keys [len, kv, d] at ``positions``, in float64."""
     heads, kv = q.shape[0], keys.shape[1]
