@@ -29,11 +29,13 @@ from specdec.cli_common import (
     MODEL_PACKAGES,
     ROLE_PACKAGES,
     SERVER_EXTRA_HINT,
+    DRAFTERS,
     DTYPE_CHOICES,
     RUNNER_CHOICES,
     UsageError,
     device_arg,
     draft_placement,
+    drafters_help,
     eagle_head_path,
     fraction,
     model_path,
@@ -95,7 +97,8 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
                             "or models/demo/eagle with the demo target)")
         p.add_argument("--layer-skip", default="", metavar="auto|LAYERS",
                        help="serve drafter layer_skip: the target's own layers as its drafter, chosen by measurement "
-                            "at start-up (auto) or named (0,1,3); loads the target's weights on the drafter")
+                            "at start-up (auto) or named (0,1,3); loads the target's weights on the drafter "
+                            "(generate --drafter layer_skip without it: auto)")
         p.add_argument("--lookahead-window", type=int, default=4, metavar="W",
                        help="drafter lookahead: Jacobi guesses in its lookahead branch (default 4)")
         p.add_argument("--lookahead-ngram", type=int, default=4, metavar="N", help="drafter lookahead: n-gram size (default 4)")
@@ -116,7 +119,7 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
                    help="how sampled drafts are verified (default coupled: a seed gives the same text whatever "
                         "the speculation; rejection: Leviathan et al.'s rule)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--drafter", default="model", help="model | ngram | tree (token trees from the draft model) | eagle | eagle_tree (an EAGLE head over the target's features) | jacobi | lookahead | layer_skip")
+    p.add_argument("--drafter", default="model", help=drafters_help())
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="fixed speculation length (default: adaptive)")
     p.add_argument("--max-speculative-tokens", type=int, default=8, help="adaptive upper bound")
     p.add_argument("--no-overlap", action="store_true",
@@ -321,9 +324,14 @@ async def _generate_embedded(args) -> int:
     from specdec.orchestrator.request import OrchestratorConfig
     from specdec.target.engine import TargetConfig
 
+    if args.drafter not in DRAFTERS:  # before any model loads
+        raise UsageError(f"unknown drafter {args.drafter[:64]!r}; specdec generate serves {', '.join(sorted(DRAFTERS))}")
     target = model_path(args.target, ENV_TARGET, "target")
     # The drafters over the draft model need it; the others load it only when named.
     draft = model_path(args.draft, ENV_DRAFT, "draft") if args.drafter in ("model", "tree") else (args.draft or os.environ.get(ENV_DRAFT))
+    options = _drafter_options(args)
+    if args.drafter == "layer_skip" and not options["layer_skip"]:
+        options["layer_skip"] = "auto"  # named without its flag: its layers chosen by measurement, as --layer-skip auto
     request = request_from_args(args)
     # Drafter and verifier take turns on one model thread; unless --threads fixes it, each forward's
     # torch thread count is chosen by measuring: more threads win on an idle machine and lose badly
@@ -331,9 +339,12 @@ async def _generate_embedded(args) -> int:
     threads = args.threads
     orch = roles.embedded(TargetConfig(target, threads=threads, weight_layouts=args.weight_layouts, **_target_placement(args)),
                           DraftConfig(draft, target, threads=threads, fast_draft_forward=not args.reference_forward,
-                                      min_confidence=args.draft_min_confidence, eagle_head_path=eagle_head_path(args.eagle_head, target), **_drafter_options(args),
+                                      min_confidence=args.draft_min_confidence, eagle_head_path=eagle_head_path(args.eagle_head, target), **options,
                                       **_draft_placement(args)),
                           OrchestratorConfig(default_drafter=args.drafter))
+    if args.drafter not in orch.target.drafters:  # its factory found something missing (services/draft/drafters.py)
+        raise UsageError(f"--drafter {args.drafter} needs {DRAFTERS[args.drafter][1] or 'what these flags do not give'}; "
+                         f"as given, this process serves {', '.join(sorted(orch.target.drafters))}")
     t0 = time.perf_counter()
     ids: list[int] = []
     pieces: list[str] = []

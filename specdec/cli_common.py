@@ -104,6 +104,30 @@ def eagle_head_path(flag: str | None, target: str | None) -> str | None:
     return None
 
 
+_EAGLE_NEEDS = (f"an EAGLE head trained on the target: --eagle-head PATH or ${ENV_EAGLE_HEAD} (default: "
+                f"models/demo/eagle, with the demo target only)")
+# Every drafter `--drafter` may name (the registry, services/draft/drafters.py NAMES; tests/test_cli.py
+# checks the two agree) -> (what it drafts with, for --help; what `specdec generate` needs to serve
+# it beyond the target, "" for nothing). This module loads without torch, so it cannot ask the registry.
+DRAFTERS: dict[str, tuple[str, str]] = {
+    "model": ("the draft model", f"a draft model: --draft PATH or ${ENV_DRAFT} (default: the demo draft)"),
+    "tree": ("token trees from the draft model",
+             f"a draft model (--draft PATH or ${ENV_DRAFT}) on specdec's lean forward: a Llama draft, no --reference-forward"),
+    "eagle": ("an EAGLE head over the target's features", _EAGLE_NEEDS),
+    "eagle_tree": ("token trees from the EAGLE head", _EAGLE_NEEDS),
+    "ngram": ("prompt lookup", ""),
+    "jacobi": ("the target's own Jacobi iterates", ""),
+    "lookahead": ("Jacobi iterates and an n-gram pool, as one token tree", ""),
+    "layer_skip": ("some of the target's own layers",
+                   "--layer-skip auto|LAYERS (`generate --drafter layer_skip` alone: auto, chosen by measurement at start-up)"),
+}
+
+
+def drafters_help() -> str:
+    """``--drafter``'s help: every name, with what it drafts with."""
+    return "; ".join(f"{name}: {what}" for name, (what, _) in DRAFTERS.items()) + " (default: model)"
+
+
 def probability_below_one(text: str) -> float:
     """A probability in [0, 1), for argparse."""
     try:

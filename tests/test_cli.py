@@ -85,6 +85,56 @@ def test_draft_with_another_tokenizer_is_refused(tiny_pair, tmp_path, capsys):
     assert "different tokenizer" in err and "Traceback" not in err
 
 
+# ----------------------------------------------------------------------------- --drafter, as --help offers it
+def test_help_offers_every_registered_drafter_and_nothing_else(capsys):
+    from specdec.cli_common import DRAFTERS
+    from specdec.draft.drafters import NAMES
+
+    assert sorted(DRAFTERS) == sorted(NAMES)  # --help's list is DRAFTERS
+    code, out, _ = in_process("generate", "--help", capsys=capsys)
+    assert code == 0
+    text = " ".join(out.split())  # argparse wraps lines
+    offered = text[text.index("--drafter DRAFTER ") + len("--drafter DRAFTER "):].split(" (default: model)")[0]
+    assert sorted(part.split(":")[0].strip() for part in offered.split(";")) == sorted(NAMES), offered
+
+
+def test_an_unknown_drafter_is_refused_with_every_drafter_there_is(tiny_pair, capsys):
+    """Before any model loads, and naming all of them: `model` and `tree` too, which this process
+    loads only when they are asked for."""
+    from specdec.draft.drafters import NAMES
+
+    target, _ = tiny_pair
+    code, _, err = in_process("generate", "x", "--target", target, "--drafter", "nope", "--threads", "1", capsys=capsys)
+    assert code == 2 and "unknown drafter 'nope'" in err
+    assert all(f" {name}" in err for name in NAMES), err
+    assert "model" in NAMES and "tree" in NAMES
+
+
+def test_every_drafter_works_as_help_offers_it(tiny_pair, capsys, monkeypatch):
+    """`--drafter NAME` alone, for every name: greedy output equals the default drafter's (lossless),
+    or, for the EAGLE drafters (which need a head trained on the target: the tiny pair has none),
+    the refusal says which flag gives one. `layer_skip` alone means `--layer-skip auto`."""
+    from specdec.draft.drafters import NAMES
+
+    monkeypatch.delenv("SPECDEC_EAGLE_HEAD", raising=False)
+    target, draft = tiny_pair
+    common = ("generate", "def add(a, b):", "--target", target, "--draft", draft, "--max-new-tokens", "8", "-k", "3",
+              "--json", "--threads", "1")
+    code, stdout, stderr = in_process(*common, capsys=capsys)
+    assert code == 0, stderr
+    expected = json.loads(stdout)["token_ids"]
+    for name in NAMES:
+        code, stdout, stderr = in_process(*common, "--drafter", name, capsys=capsys)
+        if name in ("eagle", "eagle_tree"):
+            assert code == 2 and f"--drafter {name} needs" in stderr and "--eagle-head PATH" in stderr, stderr
+            continue
+        assert code == 0, f"{name}: {stderr}"
+        assert json.loads(stdout)["token_ids"] == expected, name
+    # A drafter the flags given rule out says which flag: trees need the lean draft forward.
+    code, _, stderr = in_process(*common, "--drafter", "tree", "--reference-forward", capsys=capsys)
+    assert code == 2 and "--drafter tree needs" in stderr and "--reference-forward" in stderr, stderr
+
+
 def free_port_block(n: int = 3) -> int:
     """A base port with n consecutive free ports (outside the ephemeral range: specdec/ports.py)."""
     return free_ports(n)

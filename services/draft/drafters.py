@@ -28,6 +28,10 @@ DERIVED = {
     "eagle_tree": eagle_drafter.derive,
 }
 
+# Every drafter name there is, built or derived: what `--drafter` may name (specdec/cli_common.py
+# describes each, and tests/test_cli.py checks the two agree).
+NAMES: tuple[str, ...] = tuple(sorted((*REGISTRY, *DERIVED)))
+
 
 def build_drafters(config: DraftConfig) -> dict[str, Drafter]:
     """Every registered drafter this configuration can serve, by name."""
