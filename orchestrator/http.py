@@ -28,7 +28,8 @@ from starlette.routing import Route
 
 from specdec.core import errors
 from specdec.core.sessions import check_session_id
-from specdec.orchestrator.http_convert import ApiRequest, PositionStats, ResponseShape, request_from_json, spec_decode_json
+from specdec.orchestrator.http_convert import (ApiRequest, InvalidText, PositionStats, ResponseShape, check_text, request_from_json,
+                                               spec_decode_json)
 from specdec.orchestrator.loop import Chunk, Orchestrator
 from specdec.rpc.auth import Credentials, authenticate, bearer
 from specdec.rpc.status import details_for
@@ -79,10 +80,11 @@ class ApiError(Exception):
 
 def api_error(exc: errors.SpecdecError, retry_after_s: int = 1) -> ApiError:
     """The HTTP answer for a core error (an unmapped one is a 500 whose message says what, not where)."""
+    param = exc.field if isinstance(exc, InvalidText) else None
     for cls in type(exc).__mro__:
         if cls in _ERRORS:
             status, type_, code = _ERRORS[cls]
-            return ApiError(status, details_for(exc), type_, code,
+            return ApiError(status, details_for(exc), type_, code, param=param,
                             retry_after_s=retry_after_s if status in (429, 503) else None)
     return ApiError(500, details_for(exc), "server_error", "internal_error")
 
@@ -152,10 +154,27 @@ class HttpApi:
             parts.append(part)
         if not parts:
             return {}  # no body: each field's own check says what is missing
+        raw = b"".join(parts)
+        encoding = json.detect_encoding(raw)  # UTF-8, or the UTF-16/32 that json.loads reads too
+        escaped = False
         try:
-            return json.loads(b"".join(parts))
-        except (ValueError, UnicodeDecodeError) as exc:
+            text = raw.decode(encoding)
+        except UnicodeDecodeError as exc:
+            if not encoding.startswith("utf-8"):
+                raise ApiError(400, f"the body is not valid {encoding}: {details_for(exc)}; send UTF-8 JSON",
+                               "invalid_request_error", "invalid_json") from None
+            # Parsed all the same, so that the 400 can name the field that holds the bytes (check_text).
+            text, escaped = raw.decode(encoding, "surrogateescape"), True
+        try:
+            body = json.loads(text)
+        except ValueError as exc:
             raise ApiError(400, f"the body is not JSON: {details_for(exc)}", "invalid_request_error", "invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "the body is not JSON this server reads: it nests too deeply", "invalid_request_error",
+                           "invalid_json") from None
+        if escaped:
+            check_text(body, bytes_escaped=True)
+        return body
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:

@@ -43,6 +43,49 @@ class ApiRequest:
     messages: tuple[dict, ...] | None = None  # chat only
 
 
+class InvalidText(InvalidRequest):
+    """A string of the body that is not valid Unicode; ``field`` names it as a JSON path (``messages[0].content``)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_text(body, bytes_escaped: bool = False) -> None:
+    """InvalidText for the first string of ``body`` (a value or a key, at any depth) that is not
+    valid Unicode: a lone surrogate, which JSON's ``\\ud800`` escapes can spell, and which no
+    tokenizer takes and no reply can carry as UTF-8. ``bytes_escaped``: the body's bytes were not
+    UTF-8 and were decoded with ``surrogateescape``, so U+DC80-U+DCFF stand for those bytes."""
+    stack = [(body, "")]
+    while stack:  # no recursion: JSON nests as deep as the body allows
+        value, path = stack.pop()
+        if isinstance(value, str):
+            _check_string(value, path or "the body", bytes_escaped)
+        elif isinstance(value, dict):
+            for key in value:
+                _check_string(key, f"a key of {path or 'the body'}", bytes_escaped)
+            stack.extend((item, f"{path}.{key}" if path else key) for key, item in reversed(value.items())
+                         if isinstance(item, (str, dict, list)))
+        elif isinstance(value, list):  # a prompt of token ids is a long list of ints: only text and containers are kept
+            stack.extend((item, f"{path}[{i}]") for i, item in reversed(list(enumerate(value)))
+                         if isinstance(item, (str, dict, list)))
+
+
+def _check_string(text: str, field: str, bytes_escaped: bool) -> None:
+    if text.isascii():
+        return
+    field = field if len(field) <= 200 else field[:199] + "…"  # a client's keys: echoed, so bounded
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(text[exc.start])
+        if bytes_escaped and 0xDC80 <= char <= 0xDCFF:
+            raise InvalidText(f"{field} is not valid UTF-8: it holds a byte that is not UTF-8 (0x{char - 0xDC00:02x}) at "
+                              f"character {exc.start}; send UTF-8 text", field) from None
+        raise InvalidText(f"{field} is not valid Unicode: it holds a lone surrogate at character {exc.start}; "
+                          "send UTF-8 text", field) from None
+
+
 def _field(body: dict, name: str, types: tuple[type, ...], what: str):
     value = body.get(name)
     if value is None:
@@ -141,6 +184,7 @@ def request_from_json(body, config: OrchestratorConfig, chat: bool) -> ApiReques
     """A completions (``chat`` False) or chat completions body -> the request the loop runs."""
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
+    check_text(body)  # before any field is read, echoed or tokenized
     _check_unsupported(body)
     model = _field(body, "model", (str,), "a string")
     _field(body, "user", (str,), "a string")  # accepted, not used

@@ -154,6 +154,29 @@ async def test_prompt_one_token_short_of_context_is_accepted(cluster):
     assert reply.finish_reason in (pb.FINISH_REASON_CONTEXT_FULL, pb.FINISH_REASON_STOP)
 
 
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+@pytest.mark.parametrize("field", ["text", "stop", "drafter"])
+async def test_a_string_that_is_not_utf8_is_invalid_argument(cluster, method, field):
+    """protobuf refuses bytes that are not UTF-8 in a `string` field while decoding, before any
+    handler runs: INVALID_ARGUMENT saying so, never UNKNOWN or INTERNAL (an encoded surrogate here)."""
+    marker = "@@@@"
+    message = {"text": req(text=marker), "stop": req(stop=[marker]), "drafter": req(drafter=marker)}[field]
+    payload = message.SerializeToString().replace(marker.encode(), b"a\xed\xa0\x80")
+    async with cluster.client_channel() as channel:
+        call = getattr(channel, "unary_stream" if method == "GenerateStream" else "unary_unary")(
+            f"/specdec.v1.Generation/{method}")  # no serializers: these bytes as they are
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            reply = call(payload, timeout=REPLY_BOUND_S)
+            if method == "GenerateStream":
+                async for _ in reply:
+                    pass
+            else:
+                await reply
+    assert info.value.code() == INVALID, info.value.details()
+    assert "UTF-8" in info.value.details(), info.value.details()
+    assert await cluster.active_sessions() == (0, 0)
+
+
 async def test_get_session_unknown_id_is_not_found(cluster):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await cluster.stub.GetSession(pb.GetSessionRequest(session_id=secrets.token_hex(16)), timeout=10)

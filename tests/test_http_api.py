@@ -39,6 +39,8 @@ from specdec.rpc.server import RunningServer, ServerConfig
 from specdec.rpc.tls import client_tls
 from specdec.v1 import common_pb2, generation_pb2 as pb, generation_pb2_grpc
 
+from test_bad_input import wait_for_no_sessions
+
 MODEL = "tiny-target"
 PROMPT = "def fibonacci(n):\n"
 FIXED_K3 = {"mode": "fixed", "num_speculative_tokens": 3}
@@ -274,12 +276,64 @@ async def test_each_bad_request_is_a_400_in_openais_shape(cluster, main):
             assert words.lower() in error["message"].lower(), (body, error)
             assert error["type"] == "invalid_request_error"
         assert_error(await http.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400, "invalid_json")
+        assert_error(await http.post(url, content=b"[" * 100_000, headers={"content-type": "application/json"}), 400,
+                     "invalid_json")  # nested past what json.loads reads (RecursionError): still the body's fault
         # The same body through the streaming path: refused before any event, with its status.
         assert_error(await http.post(url, json={"model": MODEL, "prompt": PROMPT, "temperature": -1, "stream": True}), 400,
                      "invalid_request")
         assert_error(await http.post(url, json={"model": "gpt-5", "prompt": PROMPT}), 404, "model_not_found")
         assert_error(await http.get(main.url + "/v1/nothing"), 404, "not_found")
         assert_error(await http.get(url), 405, "method_not_allowed")
+
+
+# Bodies whose text is not valid Unicode: (endpoint, body bytes, the field the 400 names, what it says).
+# json.dumps escapes a lone surrogate as \\udXXX, which Python's json (and the server's) reads back.
+NOT_UNICODE = [
+    ("completions", json.dumps({"model": MODEL, "prompt": "def f(\ud800):"}).encode(), "prompt",
+     "lone surrogate at character 6"),
+    ("completions", json.dumps({"model": MODEL, "prompt": "x", "stream": True, "stop": ["\n", "\udfff"]}).encode(),
+     "stop[1]", "lone surrogate at character 0"),
+    ("completions", json.dumps({"model": MODEL, "prompt": ["ok \udc80"]}).encode(), "prompt[0]", "lone surrogate at character 3"),
+    ("completions", json.dumps({"model": MODEL + "\ud83d", "prompt": "x"}).encode(), "model", "lone surrogate at character 11"),
+    ("completions", b'{"model": "tiny-target", "prompt": "caf\xe9 au lait"}', "prompt",
+     "not valid UTF-8: it holds a byte that is not UTF-8 (0xe9) at character 3"),
+    ("completions", b'{"model": "tiny-target", "prompt": "a\xed\xa0\x80"}', "prompt", "(0xed) at character 1"),  # an encoded surrogate
+    ("chat/completions", json.dumps({"model": MODEL, "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi \ud800 there"}]}).encode(),
+     "messages[1].content", "lone surrogate at character 3"),
+    ("chat/completions", json.dumps({"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}).encode(), "messages[0].content[0].text",
+     "lone surrogate at character 0"),
+    ("chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "us\udc00er", "content": "x"}]}).encode(),
+     "messages[0].role", "lone surrogate at character 2"),
+    ("chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "name": "\ud800", "content": "x"}]}).encode(),
+     "messages[0].name", "lone surrogate at character 0"),
+    ("chat/completions", b'{"model": "tiny-target", "messages": [{"role": "user", "content": "\xff"}]}', "messages[0].content",
+     "(0xff) at character 0"),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, field, words", NOT_UNICODE, ids=[f"{e}-{f}-{i}" for i, (e, _, f, _) in enumerate(NOT_UNICODE)])
+async def test_text_that_is_not_unicode_is_a_400_naming_the_field(cluster, other, endpoint, body, field, words):
+    """A lone surrogate (a JSON escape) or bytes that are not UTF-8, in any string the server reads:
+    a 400 that names the field and says what to send, never a 500, and no session is opened."""
+    async with raw(cluster) as http:
+        reply = await http.post(f"{other.url}/v1/{endpoint}", content=body, headers={"content-type": "application/json"})
+    error = assert_error(reply, 400, "invalid_request")
+    assert error["message"].startswith(f"{field} is not valid ") and error["message"].endswith("; send UTF-8 text"), error
+    assert words in error["message"] and error["param"] == field and error["type"] == "invalid_request_error"
+    assert await wait_for_no_sessions(cluster) == (0, 0)
+
+
+async def test_a_surrogate_pair_is_one_character_and_is_served(cluster, main):
+    """Escapes that pair up (\\ud83d\\ude00 is one emoji) are valid text: only a lone surrogate is refused."""
+    body = json.dumps({"model": MODEL, "prompt": "# \U0001F600\n" + PROMPT, "max_tokens": 4, "temperature": 0,
+                       "stop": ["\U0001F600"]})
+    assert "\\ud83d\\ude00" in body
+    async with raw(cluster) as http:
+        reply = await http.post(main.url + "/v1/completions", content=body.encode(), headers={"content-type": "application/json"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] >= 1
 
 
 async def raw_request_head(cluster: Cluster, url: str, head: str, body_parts: list[bytes]) -> tuple[int, dict]:
