@@ -1,8 +1,8 @@
 """OpenAI-style JSON <-> the loop's dataclasses: the HTTP API's edge, as convert.py is gRPC's.
 
-Only the JSON's shape is checked here (types, what OpenAI's API has that specdec does not do); every
-limit and value is checked where the gRPC API's are, by GenerationRequest.validate, SamplingParams
-and SpeculationPolicy, so the two APIs cannot drift apart. Field names follow OpenAI's API; the
+Only the JSON's shape is checked here (types, text that is valid Unicode, what OpenAI's API has
+that specdec does not do); every limit and value is checked where the gRPC API's are, by
+GenerationRequest.validate, SamplingParams and SpeculationPolicy, so the two APIs cannot drift apart. Field names follow OpenAI's API; the
 extras (``top_k``, ``rule``, ``drafter``, ``speculation``) take the gRPC API's names and values.
 """
 from __future__ import annotations
