@@ -1,6 +1,6 @@
 """The EAGLE head's inference path for drafting: the math of core/eagle_head.py's modules, with the
 projections fused (q, k and v in one GEMM, gate and up in another), each weight transposed once for
-``torch.mm``, rotary angles from a table and keys and values in a preallocated buffer that a
+``torch.mm``, q and k rotated as the target's model rotates them (core/llama_model.py), angles from a table and keys and values in a preallocated buffer that a
 truncation rolls back. A draft token then costs a handful of kernels instead of a module tree's
 dozens of calls (docs/performance.md, 12.2). The module stays what training runs and what the
 file holds; this is built from it (`FastHead(head)`) and gives the same numbers
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdec.core import llama_model
 from specdec.core.eagle_head import EagleHead
 
 
@@ -49,9 +50,10 @@ class FastHead:
             self.fc_b = head.fc.bias.detach().clone()
             self.ln1 = head.layer.input_layernorm.weight.detach().clone()
             self.ln2 = head.layer.post_attention_layernorm.weight.detach().clone()
-            self.qkv_t = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).t().contiguous()
+            detach = torch.Tensor.detach
+            self.qkv_t = llama_model.fused_qkv(attn, self.heads, self.kv_heads, self.head_dim, detach)[0].t().contiguous()
             self.o_t = attn.o_proj.weight.t().contiguous()
-            self.gate_up_t = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t().contiguous()
+            self.gate_up_t = llama_model.fused_gate_up(mlp, detach)[0].t().contiguous()
             self.down_t = mlp.down_proj.weight.t().contiguous()
         self.embed = head.target.embed_tokens.weight  # the target's, by reference
         self.vocab_size = head.config.vocab_size
@@ -60,24 +62,17 @@ class FastHead:
         self.lm_head = head.target.lm_head.weight if draft_vocab is None else head.target.lm_head.weight[draft_vocab].detach().clone()
         self.inv_freq = head.inv_freq.float()
         self.dtype, self.device = self.fc_t.dtype, self.fc_t.device
-        self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
+        self._turns = llama_model.rotations(self.inv_freq.to(self.device), 0)  # [positions, 1, d/2], grown on use
 
     def new_cache(self) -> FastCache:
         return FastCache(self.kv_heads, self.head_dim, self.dtype, self.device)
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotary(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each row's rotation [T, 1, d/2]; the table grows in doublings."""
         need = int(positions.max()) + 1
-        if need > self._cos.shape[0]:  # grown in doublings, as the module computes each angle (fp32)
-            size = max(need, 2 * self._cos.shape[0], 256)
-            freqs = torch.outer(torch.arange(size, dtype=torch.float32, device=self.device), self.inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        return self._cos[positions], self._sin[positions]  # [T, head_dim]
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        if need > self._turns.shape[0]:
+            self._turns = llama_model.rotations(self.inv_freq.to(self.device), max(need, 2 * self._turns.shape[0], 256))
+        return self._turns[positions]
 
     @torch.inference_mode()
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: FastCache,
@@ -90,10 +85,8 @@ class FastHead:
         emb = self.embed[tokens].to(self.dtype)
         x = torch.addmm(self.fc_b, torch.cat([features.to(self.dtype), emb], dim=-1), self.fc_t)  # [T, hidden]
         qkv = F.rms_norm(x, (self.hidden,), self.ln1, self.eps) @ self.qkv_t  # [T, (h + 2kv) d]
-        cos, sin = self._rotary(positions)
-        cos, sin = cos[:, None], sin[:, None]
-        q = self._rotate(qkv[:, : h * d].view(t, h, d), cos, sin)
-        k = self._rotate(qkv[:, h * d : (h + kv) * d].view(t, kv, d), cos, sin)
+        qk = llama_model.rotate(qkv[:, : (h + kv) * d], self._rotary(positions), h + kv, d)  # [T, h + kv, d]
+        q, k = qk[:, :h], qk[:, h:]
         cache.reserve(past + t)
         cache.keys[:, past : past + t] = k.transpose(0, 1)
         cache.values[:, past : past + t] = qkv[:, (h + kv) * d :].view(t, kv, d).transpose(0, 1)

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.core import llama_model
+
 FEATURE = "post_norm"  # which hidden state a head reads: the target's final-norm output (see above)
 FORMAT_VERSION = 1
 WEIGHTS = "head.safetensors"
@@ -261,8 +263,7 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.layer = DecoderLayer(config)
         self.target = _TargetRefs(embed_tokens, lm_head)
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", llama_model.inv_freq(config.rope_theta, config.head_dim), persistent=False)
 
     @classmethod
     def from_target(cls, target: nn.Module) -> EagleHead:

@@ -39,9 +39,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.core import exact_ops, native_kernels
+from specdec.core import exact_ops, llama_model, native_kernels
 from specdec.core.cpu_features import describe_cpu, native_bf16
 from specdec.core.kv_slots import DecodeCache, SlotPool
+from specdec.core.llama_model import final_features
 from specdec.core.models import WeightRelease, restore_weights, weights_released
 from specdec.core.tree import feed_mask, feed_positions
 
@@ -52,17 +53,6 @@ PACK_ROWS = 8  # a verification feeds 1 + k rows; oneDNN packs each weight for a
 # of a call that large).
 EXACT_ROWS = 8
 MAX_CALL_ROWS = 512
-
-
-def final_features(x: torch.Tensor, offsets: Sequence[int], num_features: Sequence[int] | None,
-                   final_norm: torch.Tensor, eps: float) -> list[torch.Tensor | None] | None:
-    """Each sequence's last ``num_features[b]`` rows of the flat batch ``x`` [N, hidden] after the
-    final norm, or None where none are wanted; None when no sequence wants any (nothing computed)."""
-    if not num_features or not any(num_features):
-        return None
-    shape = (x.shape[-1],)
-    return [F.rms_norm(x[offsets[b + 1] - m : offsets[b + 1]], shape, final_norm, eps) if m else None
-            for b, m in enumerate(num_features)]
 
 
 def bucket_rows(n: int) -> int:
@@ -218,13 +208,6 @@ def fastest(times: dict[str, list[float]], default: str = "packed") -> str:
     return best if statistics.median(times[best]) < 0.95 * statistics.median(times[default]) else default
 
 
-def _rotary_pairs_adjacent(weight: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    """Reorder each head's output rows from HF's (x_0..x_{d/2-1}, y_0..) layout to (x_0, y_0, x_1, y_1, ..)."""
-    half = head_dim // 2
-    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()  # [d]
-    return weight.view(heads, head_dim, -1)[:, order].reshape(heads * head_dim, -1)
-
-
 class LlamaDecoder:
     """Weights shared by every sequence of one model. ``pack_rows``: rows per call to pack for (None: no packing).
 
@@ -311,10 +294,7 @@ class LlamaDecoder:
             self.lm_head = self._linear(model.lm_head.weight)
             release(model.lm_head, base.norm)
             self.layers = [self._layer(layer, release) for layer in layers]
-            theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # [d/2]
-            angles = torch.outer(torch.arange(self.context_length, dtype=torch.float32), inv_freq)  # [context, d/2]
-            self.rotary = torch.polar(torch.ones_like(angles), angles)[:, None, :]  # [context, 1, d/2] complex64
+            self.rotary = llama_model.rotary_table(model, d, self.context_length)  # [context, 1, d/2] complex64
         pool = exact_ops.ExactSlotPool if self.exact else SlotPool
         self.pool = pool(len(self.layers), self.n_kv, self.capacity_limit, self.head_dim, dtype)
         self.exact_plan: exact_ops.ExactPlan | None = None
@@ -331,16 +311,11 @@ class LlamaDecoder:
         return w.detach().to(self.dtype).contiguous()
 
     def _qkv_weight(self, attn: torch.nn.Module) -> torch.Tensor:
-        """q, k and v stacked [(h + 2kv) * d, hidden], each head's rotary pairs adjacent, in this decoder's
-        dtype (a reordering and a cast commute: the numbers of permuting before the cast)."""
-        return torch.cat([
-            _rotary_pairs_adjacent(self._cast(attn.q_proj.weight), self.n_heads, self.head_dim),
-            _rotary_pairs_adjacent(self._cast(attn.k_proj.weight), self.n_kv, self.head_dim),
-            self._cast(attn.v_proj.weight),
-        ])
+        """q, k and v stacked [(h + 2kv) * d, hidden], rotary pairs adjacent, in this decoder's dtype."""
+        return llama_model.fused_qkv(attn, self.n_heads, self.n_kv, self.head_dim, self._cast)[0]
 
     def _gate_up_weight(self, mlp: torch.nn.Module) -> torch.Tensor:
-        return torch.cat([self._cast(mlp.gate_proj.weight), self._cast(mlp.up_proj.weight)])  # [2 * inter, hidden]
+        return llama_model.fused_gate_up(mlp, self._cast)[0]  # [2 * inter, hidden]
 
     def _layer(self, layer: torch.nn.Module, release: Callable[..., None]) -> tuple:
         """A decoder layer as this forward runs it: (input norm, QKV, o, post-attention norm, gate/up,
@@ -565,42 +540,31 @@ class LlamaDecoder:
         )  # [1, h, n, d]
         return att[0].transpose(0, 1).reshape(n, h * d)
 
+    # The strategies of this runner's ops (llama_model.run_layers calls them): C kernels in exact
+    # numerics on native kernels, PyTorch's otherwise.
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of rows ``x`` [n, hidden] with ``weight``."""
         if self.native_ops:
             return native_kernels.rms_norm(x, weight, self.eps)
-        return F.rms_norm(x, (self.hidden,), weight, self.eps)
+        return llama_model.rms_norm(x, weight, self.eps)
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of rows [gate | up] [n, 2 * intermediate]."""
         if self.native_ops:
             return native_kernels.swiglu(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return llama_model.swiglu(gate_up)
 
     def rotate(self, qk: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
         """q and k rows ``qk`` [n, (h + kv) * d] turned by ``rotary`` [n, 1, d/2]: [n, h + kv, d]."""
-        n, heads = qk.shape[0], self.n_heads + self.n_kv
+        heads = self.n_heads + self.n_kv
         if self.native_ops:
             return native_kernels.rotary(qk, heads, self.head_dim, torch.view_as_real(rotary).contiguous())
-        pairs = torch.view_as_complex(qk.float().reshape(n, heads, self.head_dim // 2, 2))  # [n, h + kv, d/2]
-        return torch.view_as_real(pairs * rotary).reshape(n, heads, self.head_dim).to(self.dtype)
+        return llama_model.rotate(qk, rotary, heads, self.head_dim)
 
-    def layers_with(self, x: torch.Tensor, rotary: torch.Tensor,
-                    attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    def layers_with(self, x: torch.Tensor, rotary: torch.Tensor, attend: llama_model.Attend,
                     only: Sequence[int] | None = None) -> torch.Tensor:
-        """The one place the layer math lives. ``attend(layer, q [n, h, d], k [n, kv, d], v [n, kv, d])``
-        stores the new keys and values wherever its caller keeps them and returns attention [n, h * d].
-        ``only``: run these layers alone (a layer-skip draft)."""
-        n = x.shape[0]
-        h, kv, d = self.n_heads, self.n_kv, self.head_dim
-        for i in (range(len(self.layers)) if only is None else only):
-            ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj = self.layers[i]
-            qkv = qkv_proj(self.norm(x, ln1))  # [n, (h + 2kv) * d]
-            qk = self.rotate(qkv[:, : (h + kv) * d], rotary)  # rotated q and k [n, h + kv, d]
-            x = x + o_proj(attend(i, qk[:, :h], qk[:, h:], qkv[:, (h + kv) * d :].view(n, kv, d)))
-            x = x + down_proj(self.swiglu(gate_up_proj(self.norm(x, ln2))))
-        return x
+        """`llama_model.run_layers` on this decoder's layers and ops."""
+        return llama_model.run_layers(self, x, rotary, attend, only)
 
     @torch.inference_mode()
     def forward_batch(self, caches: list[DecodeCache], token_ids: list[list[int]], starts: list[int],

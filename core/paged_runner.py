@@ -47,9 +47,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.core import exact_ops, native_kernels, triton_exact
+from specdec.core import exact_ops, llama_model, native_kernels, triton_exact
 from specdec.core.cuda_graphs import CudaGraphs, buckets_for
-from specdec.core.llama_decode import final_features
+from specdec.core.llama_model import final_features
 from specdec.core.models import WeightRelease, restore_weights, weights_released
 from specdec.core.paged_kv import (FIRST_PAGE, ZERO_PAGE, PagedKV, PageTable, allowed_positions, pages_for_budget,
                                    pages_for_memory, tree_allowed)
@@ -202,12 +202,12 @@ class PagedRunner:
         self.windows = layer_windows(cfg, cfg.num_hidden_layers)
         release = WeightRelease(model, (self.embed,)) if own_weights else (lambda *modules: None)
         with torch.no_grad():
-            self.rotary = self._rotary_table(base.rotary_emb)  # [context, 1, d/2] complex64
+            self.rotary = llama_model.rotary_table(model, self.head_dim, self.context_length, self.device)  # [context, 1, d/2]
             self.final_norm = self._weight(base.norm.weight)
+            self.exact_kernels = self._exact_kernels(exact_kernels) if self.exact else None
             self.layers = [self._layer(layer, release) for layer in base.layers]
-            self.lm_head_weight = self._weight(model.lm_head.weight)  # (norms, o, down and the head are used as they are)
+            self.lm_head = self._linear(self._weight(model.lm_head.weight), None)  # (norms, o, down and the head as they are)
         self.layer_count = len(self.layers)
-        self.exact_kernels = self._exact_kernels(exact_kernels) if self.exact else None
         # exact attention in C (each row over the keys it sees, in order); the load check below probes it
         self.native_attention = self.exact_kernels == "native"
         self.exact_plan = self._exact_plan(probe_threads) if self.exact else None
@@ -228,50 +228,35 @@ class PagedRunner:
 
     # ------------------------------------------------------------------------------------------ load
 
-    def _rotary_table(self, rotary_emb: torch.nn.Module) -> torch.Tensor:
-        """Each position's rotation of an adjacent (x, y) pair, from the model's own frequencies and
-        scaling (so llama3 and yarn scalings come along): [context, 1, d/2] complex64."""
-        inv_freq = rotary_emb.inv_freq.detach().float().to(self.device)  # [d/2]
-        scale = float(getattr(rotary_emb, "attention_scaling", 1.0))
-        angles = torch.outer(torch.arange(self.context_length, dtype=torch.float32, device=self.device), inv_freq)
-        return torch.polar(torch.full_like(angles, scale), angles)[:, None, :]
-
-    def _adjacent(self, w: torch.Tensor, heads: int) -> torch.Tensor:
-        """Rows (or bias entries) of each head reordered from HF's (x_0..x_{d/2-1}, y_0..) to (x_0, y_0, ..)."""
-        d = self.head_dim
-        half = d // 2
-        order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten().to(w.device)
-        return w.reshape(heads, d, -1)[:, order].reshape(w.shape)
-
     def _weight(self, param: torch.Tensor) -> torch.Tensor:
         """A weight on this runner's device and dtype (itself where it is already: no copy)."""
         return param.detach().to(self.device, self.dtype)
 
-    def _layer(self, layer: torch.nn.Module, release: Callable[..., None]) -> tuple:
-        a, m = layer.self_attn, layer.mlp
-        h, kv = self.n_heads, self.n_kv
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> _Linear:
+        """``weight`` [out, in] and its bias, run by this runner's kernel (chosen once, here)."""
+        if not self.exact:
+            return _Linear(weight, bias, F.linear)
+        if self.exact_kernels == "triton":
+            return _Linear(weight, bias, _bias_after(triton_exact.linear))
+        return _Linear(weight, bias, _bias_after(self._tiled))
 
+    def _tiled(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return exact_ops.wrap_linear(lambda rows: F.linear(rows, weight), self.exact_plan.linear_mode)(x)
+
+    def _layer(self, layer: torch.nn.Module, release: Callable[..., None]) -> llama_model.Layer:
+        a, m = layer.self_attn, layer.mlp
         w = self._weight
 
         def bias(linear: torch.nn.Module) -> torch.Tensor | None:
             return None if linear.bias is None else w(linear.bias)
 
-        wqkv = torch.cat([self._adjacent(w(a.q_proj.weight), h), self._adjacent(w(a.k_proj.weight), kv),
-                          w(a.v_proj.weight)])  # [(h + 2kv) * d, hidden]
-        biases = [bias(a.q_proj), bias(a.k_proj), bias(a.v_proj)]
-        bqkv = None
-        if any(b is not None for b in biases):
-            zeros = lambda n: torch.zeros(n, dtype=self.dtype, device=self.device)  # noqa: E731
-            q_b, k_b, v_b = (b if b is not None else zeros(n * self.head_dim) for b, n in zip(biases, (h, kv, kv)))
-            bqkv = torch.cat([self._adjacent(q_b, h), self._adjacent(k_b, kv), v_b])
+        qkv = self._linear(*llama_model.fused_qkv(a, self.n_heads, self.n_kv, self.head_dim, w))  # [(h + 2kv) * d, hidden]
         release(a.q_proj, a.k_proj, a.v_proj)
-        o = (w(a.o_proj.weight), bias(a.o_proj))
-        wgu = torch.cat([w(m.gate_proj.weight), w(m.up_proj.weight)])  # [2 * inter, hidden]
-        gu_b = None if m.gate_proj.bias is None else torch.cat([w(m.gate_proj.bias), w(m.up_proj.bias)])
+        o = self._linear(w(a.o_proj.weight), bias(a.o_proj))
+        gate_up = self._linear(*llama_model.fused_gate_up(m, w))  # [2 * inter, hidden]
         release(m.gate_proj, m.up_proj)
-        down = (w(m.down_proj.weight), bias(m.down_proj))
-        ln1, ln2 = w(layer.input_layernorm.weight), w(layer.post_attention_layernorm.weight)
-        return ln1, (wqkv, bqkv), o, ln2, (wgu, gu_b), down
+        down = self._linear(w(m.down_proj.weight), bias(m.down_proj))
+        return w(layer.input_layernorm.weight), qkv, o, w(layer.post_attention_layernorm.weight), gate_up, down
 
     def _exact_kernels(self, asked: str) -> str:
         native = self.device.type == "cpu" and self.dtype in native_kernels.KV_DTYPES and native_kernels.available()
@@ -291,8 +276,8 @@ class PagedRunner:
                      "Triton kernels of fixed tiles" if self.exact_kernels == "triton" else
                      f"linears in {CUDA_EXACT_PLAN.min_tile}-row tiles, attention per sequence in fixed tiles")
             return CUDA_EXACT_PLAN
-        shapes = tuple(dict.fromkeys([tuple(self.lm_head_weight.shape)] + [
-            tuple(w.shape) for layer in self.layers for w in (layer[1][0], layer[2][0], layer[4][0], layer[5][0])]))
+        shapes = tuple(dict.fromkeys([tuple(self.lm_head.weight.shape)] + [
+            tuple(f.weight.shape) for layer in self.layers for f in (layer[1], layer[2], layer[4], layer[5])]))
         threads = probe_threads or tuple(sorted({1, 2, torch.get_num_threads()}))
         key = ("paged", self.dtype, shapes, self.n_heads, self.n_kv, self.head_dim, self.hidden, self.intermediate, threads)
         return exact_ops.verified_plan(key, lambda: exact_ops.verify(self, shapes, _plain_linear, threads))
@@ -406,46 +391,31 @@ class PagedRunner:
 
     # ----------------------------------------------------------------------------------- the math
 
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return llama_model.rms_norm(x, weight, self.eps)
+
     def rotate(self, qk: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
         """q and k rows ``qk`` [n, (h + kv) * d] turned by ``rotary`` [n, 1, d/2]: [n, h + kv, d]."""
-        n, heads = qk.shape[0], self.n_heads + self.n_kv
-        pairs = torch.view_as_complex(qk.float().reshape(n, heads, self.head_dim // 2, 2))
-        return torch.view_as_real(pairs * rotary).reshape(n, heads, self.head_dim).to(self.dtype)
+        return llama_model.rotate(qk, rotary, self.n_heads + self.n_kv, self.head_dim)
 
-    def _linear(self, x: torch.Tensor, weight_bias: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-        weight, bias = weight_bias
-        if not self.exact:
-            return F.linear(x, weight, bias)
-        if self.exact_kernels == "triton":
-            out = triton_exact.linear(x, weight)
-            return out if bias is None else out + bias
-        out = exact_ops.wrap_linear(lambda rows: F.linear(rows, weight), self.exact_plan.linear_mode)(x)
-        return out if bias is None else out + bias  # the bias after the GEMM: an elementwise, per-row add
+    swiglu = staticmethod(llama_model.swiglu)
 
     def _forward(self, batch: Batch, gathers_cpu: torch.Tensor | None = None,
                  num_features: Sequence[int] | None = None) -> torch.Tensor:
         """Every layer over the batch's rows; logits of its ``last`` rows [rows, vocab] float32.
         ``gathers_cpu``: the batch's gather index on the host (exact mode slices it per sequence);
         ``num_features``: per feed, final-norm rows left in ``last_features``."""
-        h, kv, d = self.n_heads, self.n_kv, self.head_dim
-        x = self.embed[batch.token_ids]  # [N, hidden]
-        rotary = self.rotary[batch.positions]  # [N, 1, d/2]
-        shape = (self.hidden,)
-        n = batch.n
-        for i, (ln1, qkv_w, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
-            qkv = self._linear(F.rms_norm(x, shape, ln1, self.eps), qkv_w)  # [N, (h + 2kv) * d]
-            qk = self.rotate(qkv[:, : (h + kv) * d], rotary)  # [N, h + kv, d]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = self.kv.flat(i, 0), self.kv.flat(i, 1)  # [pages * page_tokens, kv, d]
-            keys[batch.write] = qk[:, h:]
-            values[batch.write] = qkv[:, (h + kv) * d:].view(n, kv, d)
-            att = self._attend(batch, qk[:, :h], keys, values, self.windows[i], gathers_cpu)  # [N, h * d]
-            x = x + self._linear(att, o_w)
-            gate, up = self._linear(F.rms_norm(x, shape, ln2, self.eps), gu_w).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, down_w)
+            keys[batch.write] = k
+            values[batch.write] = v
+            return self._attend(batch, q, keys, values, self.windows[i], gathers_cpu)  # [N, h * d]
+
+        x = llama_model.run_layers(self, self.embed[batch.token_ids], self.rotary[batch.positions], attend)
         if num_features and any(num_features):  # (a captured graph's static batch never asks)
             self.last_features = final_features(x, batch.offsets, num_features, self.final_norm, self.eps)
-        rows = F.rms_norm(x[batch.last], shape, self.final_norm, self.eps)
-        return self._linear(rows, (self.lm_head_weight, None)).float()  # [sum(num_last), vocab]
+        return self.lm_head(self.norm(x[batch.last], self.final_norm)).float()  # [sum(num_last), vocab]
 
     def _attend(self, batch: Batch, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 window: int | None, gathers_cpu: torch.Tensor | None) -> torch.Tensor:
@@ -570,3 +540,24 @@ def _host_memory_bytes() -> int:
 
 def _plain_linear(weight: torch.Tensor) -> Linear:
     return lambda x: F.linear(x, weight)
+
+
+class _Linear:
+    """A weight [out, in] with its bias, and the kernel ``kernel(x, weight, bias)`` that runs it."""
+
+    __slots__ = ("weight", "bias", "kernel")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]) -> None:
+        self.weight, self.bias, self.kernel = weight, bias, kernel
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.weight, self.bias)
+
+
+def _bias_after(gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """An exact kernel with its bias added after the GEMM: an elementwise, per-row add."""
+    def kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = gemm(x, weight)
+        return out if bias is None else out + bias
+    return kernel
