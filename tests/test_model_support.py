@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specdec import cli
+from specdec.core.choose_runner import choose_runner
 from specdec.core.errors import UnsupportedModel
 from specdec.core.models import load_causal_lm
 
@@ -48,13 +49,11 @@ def test_a_recurrent_layer_type_is_refused_naming_the_setting(tmp_path, tok):
 
 
 def test_a_sliding_window_shorter_than_the_context_is_served_by_the_paged_runner(tmp_path, tok):
-    from specdec.target.engine import TargetConfig, VerifierEngine
-
     folder = build_mistral(tmp_path / "m", tok, sliding_window=16)
     loaded = load_causal_lm(folder)
-    assert VerifierEngine.runner_kind(loaded.model, TargetConfig(str(folder))) == "paged"
+    assert choose_runner(loaded.model) == "paged"
     with pytest.raises(UnsupportedModel, match="sliding_window=16"):  # HF's cache cannot roll it back
-        VerifierEngine.runner_kind(loaded.model, TargetConfig(str(folder), runner="hf"))
+        choose_runner(loaded.model, "hf")
 
 
 @pytest.mark.parametrize("window", [None, 256, 4096], ids=["none", "equal-to-context", "beyond-context"])
@@ -68,3 +67,36 @@ def test_the_cli_says_why_instead_of_a_traceback(tmp_path, tok, capsys):
     assert cli.main(["generate", "def f():", "--target", str(folder), "--drafter", "ngram", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "linear_attention" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("family, fast, want", [
+    ("llama", True, "lean"),  # a plain Llama on the CPU
+    ("qwen2", True, "paged"),  # biases: the paged runner (a drafter used to fall back to transformers here)
+    ("mistral", True, "paged"),  # a sliding window only the paged runner rolls back
+    ("llama", False, "hf"),  # the reference forward
+])
+def test_the_verifier_and_the_drafter_choose_a_runner_by_one_rule(tmp_path, tok, family, fast, want):
+    from tiny_models import build_family_model
+
+    from specdec.core.paged_runner import PagedRunner
+    from specdec.core.runner import HFRunner, LeanRunner
+    from specdec.draft.model_drafter import ModelDrafter
+    from specdec.target.engine import TargetConfig, VerifierEngine
+
+    extra = {"sliding_window": 8} if family == "mistral" else {}
+    folder = str(build_family_model(tmp_path / family, tok, family, **extra))
+    assert choose_runner(load_causal_lm(folder).model, fast_forward=fast) == want
+    runner_type = {"lean": LeanRunner, "paged": PagedRunner, "hf": HFRunner}[want]
+    verifier = VerifierEngine(load_causal_lm(folder), TargetConfig(folder, fast_forward=fast, numerics="fast"))
+    drafter = ModelDrafter(load_causal_lm(folder), proposal_top_k=4, fast=fast)
+    assert isinstance(verifier.runner, runner_type) and isinstance(drafter.runner, runner_type)
+
+
+def test_a_runner_that_cannot_serve_the_model_is_refused_by_name(tmp_path, tok):
+    from tiny_models import build_family_model
+
+    model = load_causal_lm(str(build_family_model(tmp_path / "q", tok, "qwen2"))).model
+    with pytest.raises(ValueError, match="lean runner serves plain Llamas"):
+        choose_runner(model, "lean")
+    with pytest.raises(ValueError, match="runner must be one of auto, lean, paged, hf"):
+        choose_runner(model, "vllm")

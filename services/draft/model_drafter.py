@@ -5,8 +5,8 @@ the draft's own coupled token under the request's per-position noise, sent as a 
 Sampling under the rejection rule: each draft token is drawn from
 the draft's distribution (same temperature / top-k / top-p as the target) truncated to its
 ``proposal_top_k`` most likely tokens and renormalised; that exact distribution is sent, so the
-verifier's rejection rule stays lossless while a step ships K numbers per token, not a vocabulary
-(invariant 2 in DESIGN.md).
+verifier's rejection rule stays lossless while a step ships K numbers per token, not a vocabulary:
+the verifier must know the exact distribution each draft token was drawn from.
 """
 from __future__ import annotations
 
@@ -21,11 +21,10 @@ from specdec.core.branch_decode import BranchBatch
 from specdec.core.coupled import processed_logprobs
 from specdec.core.noise import gumbel_noise
 from specdec.core.kv import KVSequence, logits_for_batch
-from specdec.core.errors import UnsupportedModel
-from specdec.core.paged_runner import PagedRunner, layer_windows
-from specdec.core.paged_runner import supports as paged_supports
+from specdec.core.choose_runner import choose_runner
+from specdec.core.paged_runner import PagedRunner
 from specdec.core.runner import HFRunner, LeanRunner, ModelRunner
-from specdec.core.llama_decode import LlamaDecoder, supports
+from specdec.core.llama_decode import LlamaDecoder
 from specdec.core.models import LoadedModel, check_same_tokenizer, load_causal_lm
 from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from
 from specdec.core.steps import DraftProposal, SparseDistribution
@@ -298,19 +297,14 @@ def build(config: DraftConfig) -> ModelDrafter | None:
 
 
 def _runner(model: torch.nn.Module, fast: bool, dtype: torch.dtype, max_sessions: int) -> tuple[LlamaDecoder | None, ModelRunner]:
-    """The draft's decoder (the lean forward, or None) and runner. Drafts need speed, not bit-exactness:
-    the lean forward on the CPU for a plain Llama; the paged runner off the CPU and for the Llama
-    family's sliding windows (HF's sliding cache cannot roll back once the window fills), else HF's."""
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    if fast and on_cpu and supports(model):
+    """The draft's decoder (the lean forward, or None) and runner, chosen by the verifier's rule
+    (core/choose_runner.py). Drafts need speed, not bit-exactness: fast numerics."""
+    kind = choose_runner(model, fast_forward=fast)
+    if kind == "lean":
         decoder = LlamaDecoder(model, dtype=dtype)
         return decoder, LeanRunner(decoder)
-    windows = any(w is not None for w in layer_windows(model.config, model.config.num_hidden_layers))
-    if paged_supports(model) and (windows or (fast and not on_cpu)):
+    if kind == "paged":
         return None, PagedRunner(model, max_sessions=max_sessions)
-    if windows:
-        raise UnsupportedModel(f"draft model {type(model).__name__} has a sliding window the transformers forward cannot "
-                               "roll back; specdec's paged runner serves Llama, Mistral and Qwen2 with one")
     return None, HFRunner(model)
 
 

@@ -18,15 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from specdec.core.batch_rules import RuleStep, decide_batch
-from specdec.core.errors import InvalidRequest, Overloaded, SessionAlreadyOpen, SpecdecError, UnsupportedModel
+from specdec.core.choose_runner import choose_runner
+from specdec.core.errors import InvalidRequest, Overloaded, SessionAlreadyOpen, SpecdecError
 from specdec.core.exact_ops import ExactNumericsUnavailable
 from specdec.core.features import needs_features, needs_row_tokens, to_chunks
 from specdec.core.kv import shared_prefixes
 from specdec.core.kv_blocks import BlockLayout, HostCopy, PendingBlock, encode_block, model_fingerprint
-from specdec.core.llama_decode import NUMERICS, PACK_ROWS, LlamaDecoder, supports
+from specdec.core.llama_decode import NUMERICS, PACK_ROWS, LlamaDecoder
 from specdec.core.models import LoadedModel, load_causal_lm, resolve_dtype
-from specdec.core.paged_runner import PagedRunner, layer_windows
-from specdec.core.paged_runner import supports as paged_supports
+from specdec.core.paged_runner import PagedRunner
 from specdec.core.runner import Feed, HFRunner, LeanRunner, ModelRunner
 from specdec.core.sampling import SamplingParams
 from specdec.core.session_table import FreedMemory, SessionTable
@@ -36,7 +36,6 @@ from specdec.core.tree_rules import TreeOutcome, TreeStep, decide_tree_batch
 log = logging.getLogger(__name__)
 # Opens of one prefill batch whose prompts share at least this many leading tokens compute them once.
 MIN_SHARED_PREFIX = 16
-RUNNERS = ("auto", "lean", "paged", "hf")
 
 
 @dataclass(frozen=True)
@@ -162,7 +161,7 @@ class VerifierEngine:
         self.sessions: SessionTable[SessionState] = SessionTable(config.max_sessions, config.idle_timeout_s, freed=FreedMemory())
         if config.numerics not in (*NUMERICS, "auto"):
             raise ValueError(f"numerics must be auto or one of {', '.join(NUMERICS)}; got {config.numerics!r}")
-        kind = self.runner_kind(loaded.model, config)
+        kind = choose_runner(loaded.model, config.runner, config.fast_forward)
         if config.numerics == "exact" and kind == "hf":
             raise ValueError("numerics='exact' needs the lean or the paged runner (fast_forward on, a Llama-family model)")
         self.decoder = self._decoder(loaded, config, own_weights) if kind == "lean" else None
@@ -179,33 +178,6 @@ class VerifierEngine:
             numerics = self.numerics if kind == "lean" or self.numerics == "fast" else f"{self.numerics}-paged"
             fingerprint = model_fingerprint(loaded.model, shape[3], numerics)
             self.layout = BlockLayout(*shape, config.kv_block_tokens, fingerprint)
-
-    @staticmethod
-    def runner_kind(model: torch.nn.Module, config: TargetConfig) -> str:
-        """The one place a runner is chosen: lean | paged | hf. ``auto``: paged on CUDA; on the CPU the
-        lean forward for a plain Llama, the paged runner for other Llama-family models (Qwen2,
-        Mistral: sliding windows need its masked full cache), else the HF forward. ``fast_forward``
-        off: the HF forward (unless a runner is named)."""
-        if config.runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {config.runner!r}")
-        if config.runner == "lean" and not supports(model):
-            raise ValueError(f"the lean runner serves plain Llamas, not {type(model).__name__}: use runner auto or paged")
-        if config.runner == "paged" and not paged_supports(model):
-            raise ValueError(f"the paged runner does not serve {type(model).__name__}: use runner auto or hf")
-        if config.runner != "auto":
-            kind = config.runner
-        elif not config.fast_forward:
-            kind = "hf"
-        elif config.device.startswith("cuda"):
-            kind = "paged" if paged_supports(model) else "hf"
-        else:
-            kind = "lean" if supports(model) else "paged" if paged_supports(model) else "hf"
-        if kind == "hf" and any(w is not None for w in layer_windows(model.config, model.config.num_hidden_layers)):
-            # HF's sliding-window cache drops what a rollback needs once the window fills
-            raise UnsupportedModel(f"{type(model).__name__} has a sliding window (sliding_window="
-                                   f"{model.config.sliding_window}): only the paged runner rolls it back exactly; "
-                                   "use runner auto or paged, with fast_forward on")
-        return kind
 
     @staticmethod
     def _paged(loaded: LoadedModel, config: TargetConfig, own_weights: bool) -> PagedRunner:
