@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 SESSION_LADDER_MAX = 64  # sessions per forward: 1, 2, 4, .. 64
 # rows per session (k + 1): 1, 2, 4, 8, 9, up to the default longest draft's block, which would
-# otherwise run eagerly (3x a captured step on an H200: docs/performance.md, GPU check)
+# otherwise run eagerly, at several times a captured step's cost (docs/performance.md, section 8)
 ROW_LADDER_MAX = SpeculationPolicy.max_speculative_tokens + 1
 FIRST_LENGTH = 256  # KV positions per session: 256, 1024, 4096, .. (x4), then the context
 # A bucket's sessions x positions at most: each layer gathers that many keys and values (a 1B-class

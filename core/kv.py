@@ -1,8 +1,9 @@
 """KV-cache bookkeeping for one sequence of a Hugging Face causal LM, with exact rollback.
 
 ``KVSequence.logits_for(token_ids, num_last)`` is the only entry point: it keeps the longest cached
-prefix of ``token_ids``, crops everything after it (a rejected branch leaves no trace: invariant 4),
-feeds the rest in one forward pass and returns the logits of the last ``num_last`` positions.
+prefix of ``token_ids``, crops everything after it (a rejected branch leaves no trace:
+docs/guarantees.md, "Exact rollback"), feeds the rest in one forward pass and returns the logits of
+the last ``num_last`` positions.
 Drafter and verifier both use it, so rollback is implemented once.
 """
 from __future__ import annotations

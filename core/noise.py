@@ -2,8 +2,8 @@
 
 The coupled rule (specdec.core.coupled) gives every position of a request one row of noise over the
 vocabulary. Drafter and verifier recompute the same row from (seed, position) alone, so they exchange
-nothing, and a replica that resumes a session from Redis draws the very same noise (invariant 3 in
-DESIGN.md).
+nothing, and a replica that resumes a session from Redis draws the very same noise
+(docs/guarantees.md, "Reproducibility").
 
 How a row is made (the integer steps in wrapping unsigned 64-bit arithmetic, numpy's ``uint64``):
 

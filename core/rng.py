@@ -1,9 +1,9 @@
 """Counter-based randomness: every uniform is a pure function of (seed, stream, position).
 
 A request's output then does not depend on which process ran a step or on what else that process
-did (invariant 3 in DESIGN.md): a replica that resumes a session from Redis draws the very same
-numbers. The mixer is SplitMix64 (Steele et al. 2014), a bijective 64-bit finaliser; three rounds
-over the fields give independent-looking streams for neighbouring counters.
+did (docs/guarantees.md, "Reproducibility"): a replica that resumes a session from Redis draws
+the very same numbers. The mixer is SplitMix64 (Steele et al. 2014), a bijective 64-bit finaliser;
+three rounds over the fields give independent-looking streams for neighbouring counters.
 """
 from __future__ import annotations
 

@@ -69,7 +69,8 @@ class SamplingParams:
 
 def top_ids(scores: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest value over the last dim, ties to the lowest id (NaN counts as
-    largest): ``argmax``'s result, from ``max``, which PyTorch's CPU build computes about 3x faster."""
+    largest): ``argmax``'s result, from ``max``, which PyTorch's CPU build computes faster
+    (docs/performance.md, section 8)."""
     return scores.max(dim=-1).indices
 
 

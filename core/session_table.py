@@ -32,11 +32,11 @@ class FreedMemory:
     glibc's malloc keeps what a closed session freed (activations and logits of its forwards, gRPC
     and protobuf buffers) in its arenas, one per thread that allocates, and gives back only what
     sits at the top of the main heap, so a worker's resident memory drifts with its arenas' free,
-    fragmented pages (after rounds of 300 requests through `specdec up --replicas 2`, a trim gave
-    back 20 MiB of a drafter's 585 and 10-13 MiB of a verifier's 940; benchmarks/soak.py). ``malloc_trim(0)`` hands back every free page of every arena (3-8 ms on
-    a worker's 400 MiB heap, measured). It runs on a thread of its own, ``delay_s`` after a close
-    (what the close frees, its stream's buffers included, goes first), when the worker has no
-    session left or ``interval_s`` has passed since the last trim, never on a request's path.
+    fragmented pages. ``malloc_trim(0)`` hands back every free page of every arena, and takes
+    milliseconds (what it gave back and cost under benchmarks/soak.py: docs/performance.md,
+    section 8). So it runs on a thread of its own, ``delay_s`` after a close (what the close frees,
+    its stream's buffers included, goes first), when the worker has no session left or
+    ``interval_s`` has passed since the last trim, never on a request's path.
     """
 
     def __init__(self, delay_s: float = 1.0, interval_s: float = 60.0, trim: Callable[[], object] | None = None,

@@ -2,8 +2,9 @@
 
 A session is one generation request: its prompt, parameters and seed (enough to redo every random
 draw, see rng.py) plus the tokens committed so far and the speculation counters. The orchestrator
-commits each verified block to the store before streaming it (invariant 5 in DESIGN.md), so a
-replica that picks the session up elsewhere continues from exactly the committed tokens.
+commits each verified block to the store before streaming it (docs/guarantees.md, "Nothing
+lost"), so a replica that picks the session up elsewhere continues from exactly the committed
+tokens.
 
 This module is pure (no redis, no grpc): `InMemorySessionStore` is the embedded default and
 `specdec.core.redis_store.RedisSessionStore` the distributed one; both follow `SessionStore`.
@@ -122,7 +123,7 @@ def json_object(text: str | bytes, what: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class SpecCounters:
-    """Speculation totals for one session, in the words of the metrics (see DESIGN.md, Metrics).
+    """Speculation totals for one session, in the words of the metrics (docs/operations.md, "Metrics").
 
     drafts: verification steps that had at least one draft token; draft_tokens: draft tokens
     proposed; accepted_tokens: draft tokens the verifier accepted; verify_steps: all verifier calls;

@@ -1,9 +1,9 @@
 """How many torch threads a model call should use, chosen by measuring both ways.
 
 On 2 cores a target forward is bound by reading weights and keys/values, and two threads read
-about 1.5x as fast as one (benchmarks/bench_threads.py): while nothing else wants the second core.
-With another busy process on it, OpenMP's barrier waits for a thread that is not running and the
-same forward takes 4-5x as long as with one thread (../shared/FINDINGS.md: 20-100x for llama.cpp).
+them faster than one while nothing else wants the second core; with another busy process on it,
+OpenMP's barrier waits for a thread that is not running and the same forward is several times
+slower than with one thread (the figures: docs/performance.md, section 1.2 and "OpenMP spinning").
 Neither is known in advance and both change while a server runs, so the count is chosen as a
 speculation length is: by the measured time of the calls themselves.
 

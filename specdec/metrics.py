@@ -1,10 +1,10 @@
 """Prometheus metrics of each role, on a registry the composition root creates and passes in.
 
-Names follow DESIGN.md (Metrics): vLLM's, with a ``specdec_`` prefix and base units (seconds, bytes,
-tokens), plus what the autoscaler (``specdec.autoscale``) needs to size the pools. Each role owns
-one small class whose methods the role calls where the event happens; nothing here touches the
-process-wide default registry, so tests and the embedded mode (all roles in one process) can hold
-as many registries as they like.
+Names follow vLLM's, with a ``specdec_`` prefix and base units (seconds, bytes, tokens), plus what
+the autoscaler (``specdec.autoscale``) needs to size the pools; each series: docs/operations.md,
+"Metrics". Each role owns one small class whose methods the role calls where the event happens;
+nothing here touches the process-wide default registry, so tests and the embedded mode (all roles
+in one process) can hold as many registries as they like.
 
 A note on names: prometheus-client's ``Counter`` appends ``_total`` itself, so counters are
 declared as ``specdec_generation_tokens`` and exposed as ``specdec_generation_tokens_total``.

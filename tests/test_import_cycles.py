@@ -1,4 +1,6 @@
-"""The project's modules import one another without cycles, and along DESIGN.md's layers.
+"""The project's modules import one another without cycles, along the layers of
+docs/architecture.md ("Layout"), and core's pure modules (core/pure.py) import no grpc, no redis and
+nothing of the services, the orchestrator or the CLI.
 
 Every ``.py`` file of every package that pyproject.toml installs is parsed with ``ast``; every
 ``import`` and ``from ... import`` anywhere in it counts: module level, inside functions, and under
@@ -14,8 +16,11 @@ from __future__ import annotations
 
 import ast
 import tomllib
+from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from specdec.core.pure import PURE_MODULES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,7 +196,7 @@ def under(name: str, prefixes: tuple[str, ...]) -> bool:
 
 
 def test_core_imports_no_service_orchestrator_or_command():
-    """DESIGN.md: the core never imports a service, the orchestrator or the CLI (the composition root);
+    """The core never imports a service, the orchestrator or the CLI (the composition root);
     nor the adapters around the services (the gRPC edge, metrics, the client, the autoscaler)."""
     outward = ("specdec.draft", "specdec.target", "specdec.orchestrator", "specdec.cli", "specdec.cli_common",
                "specdec.roles", "specdec.bench", "specdec.rpc", "specdec.autoscale", "specdec.client", "specdec.metrics")
@@ -201,12 +206,64 @@ def test_core_imports_no_service_orchestrator_or_command():
 
 
 def test_services_import_no_orchestrator_or_command():
-    """DESIGN.md: dependencies point one way, core <- services <- orchestrator <- CLI."""
+    """Dependencies point one way, core <- services <- orchestrator <- CLI."""
     outward = ("specdec.orchestrator", "specdec.cli", "specdec.cli_common", "specdec.roles", "specdec.bench", "specdec.autoscale")
     bad = [f"{m} ({MODULES[m].relative_to(ROOT)}:{line}) imports {dep}"
            for service in ("specdec.draft", "specdec.target") for m, dep, line in imports_of(service)
            if under(dep, outward) or dep.startswith("specdec.bench_")]
     assert not bad, "\n".join(bad)
+
+
+# ----------------------------------------------------------------------------- pure modules
+# What a pure module may not load, itself or through anything it imports: transports and stores...
+IMPURE_PACKAGES = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "redis", "starlette", "uvicorn",
+                   "httpx", "prometheus_client", "kubernetes")
+PURE_HOME = "specdec.core"  # ...and of the project, anything outside this package (services, orchestrator, CLI, rpc, v1)
+
+
+def shown(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def impure_imports(pure: Iterable[str], modules: dict[str, Path], graph: dict[str, dict[str, int]],
+                   home: str = PURE_HOME, impure: tuple[str, ...] = IMPURE_PACKAGES) -> list[str]:
+    """Every forbidden import a pure module makes, itself or through the project modules it loads
+    (its packages' ``__init__`` included), each as the chain of imports that reaches it."""
+    project, found = home.split(".")[0], []
+    for start in sorted(pure):
+        # module -> (the module that imports it, line): the first way the walk reached it
+        via: dict[str, tuple[str, int] | None] = {m: None for m in (*ancestors(start), start) if m in modules}
+        queue = deque(via)
+
+        def chain(module: str, name: str, line: int) -> str:
+            steps = [f"{module} ({shown(modules[module])}:{line}) imports {name}"]
+            while via[module] is not None:
+                module, line = via[module]
+                steps.append(f"{module} ({shown(modules[module])}:{line}) imports")
+            return " ".join(reversed(steps))
+
+        while queue:
+            module = queue.popleft()
+            lines = set()  # one finding a statement (``from X import Y`` gives X and X.Y)
+            for name, line in imported_names(modules[module], module):
+                if line not in lines and (under(name, impure) or
+                                          (under(name, (project,)) and name != project and not under(name, (home,)))):
+                    lines.add(line)
+                    found.append(chain(module, name, line))
+            for dep, line in graph[module].items():
+                if dep not in via and under(dep, (home,)):
+                    via[dep] = (module, line)
+                    queue.append(dep)
+    return found
+
+
+def test_pure_modules_import_no_transport_store_service_or_command():
+    """docs/architecture.md ("Layout"): the algorithms (core/pure.py) import no grpc and no redis,
+    no service, orchestrator or command, directly, inside a function, or through another module."""
+    pure = {f"{PURE_HOME}.{name}" for name in PURE_MODULES}
+    assert pure <= MODULES.keys(), f"core/pure.py names modules that are not in core: {sorted(pure - MODULES.keys())}"
+    bad = impure_imports(pure, MODULES, GRAPH)
+    assert not bad, "pure modules load what they must not:\n  " + "\n  ".join(bad)
 
 
 # ----------------------------------------------------------------------------- the checker itself
@@ -221,3 +278,24 @@ def test_the_checker_finds_a_cycle_closed_inside_a_function(tmp_path):
     found = cycles(graph)
     assert sorted(map(tuple, found)) == [("pkg.a", "pkg.b"), ("pkg.c",)]
     assert cycle_in(["pkg.a", "pkg.b"], graph) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def test_the_purity_checker_follows_imports_through_other_modules_and_functions(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "core").mkdir()
+    (tmp_path / "pkg" / "core" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "core" / "rule.py").write_text("from pkg.core import helper\n")
+    (tmp_path / "pkg" / "core" / "helper.py").write_text("def f():\n    import redis.asyncio\n")
+    (tmp_path / "pkg" / "core" / "clean.py").write_text("import math\nfrom pkg.core import errors\n")
+    (tmp_path / "pkg" / "core" / "errors.py").write_text("")
+    (tmp_path / "pkg" / "core" / "outward.py").write_text("def g():\n    from ..cli import main\n")
+    (tmp_path / "pkg" / "cli.py").write_text("import grpc\n")
+    modules = project_modules({"pkg": tmp_path / "pkg", "pkg.core": tmp_path / "pkg" / "core"})
+    graph = import_graph(modules)
+    assert impure_imports(["pkg.core.clean"], modules, graph, home="pkg.core", impure=("redis",)) == []
+    (found,) = impure_imports(["pkg.core.rule"], modules, graph, home="pkg.core", impure=("redis",))
+    assert found.startswith("pkg.core.rule (") and "pkg.core.helper (" in found and found.endswith("imports redis.asyncio"), found
+    # Outside the pure modules' package, inside a function: the CLI (which imports grpc, never walked).
+    flagged = impure_imports(["pkg.core.outward"], modules, graph, home="pkg.core", impure=("redis",))
+    assert flagged and all("pkg.cli" in line for line in flagged), flagged
