@@ -4,13 +4,12 @@ On small models the per-call overhead of ``LlamaForCausalLM.forward`` (masks, ca
 records, ~40 framework ops per layer) dwarfs the arithmetic. This is the gpt-fast / llama.cpp style
 forward instead:
 
-- fused QKV and gate/up weights, so a layer makes three GEMMs and one attention call;
-- q and k rows permuted at load so each rotary pair is adjacent: rotary is one complex multiply
-  (q.k is unchanged, because q and k get the same permutation);
-- oneDNN-packed weights where PyTorch has them. MKL's small-M GEMM is slow on this CPU kind
-  (a 384x2048 linear: 0.08 ms for 1 row, 0.19 ms for 5); oneDNN with a prepacked weight runs 5 rows
-  in about the time of one, which is what makes verifying k drafts cost little more than one step.
-  single-row calls and calls of more rows each go to the kernel measured fastest at load
+- the model's math from core/llama_model.py (fused QKV and gate/up weights, rotary pairs adjacent,
+  the layer loop), with this runner's kernels as its strategy;
+- oneDNN-packed weights where PyTorch has them: MKL's small-M GEMM is slow on this CPU kind, and
+  oneDNN with a prepacked weight runs 5 rows in about the time of one, which is what makes verifying
+  k drafts cost little more than one step (docs/performance.md 8).
+  Single-row calls and calls of more rows each go to the kernel measured fastest at load
   (`_Layouts`: MKL's GEMM on a transposed copy at one row on an Intel Xeon);
 - every sequence's KV in a slot of a shared slab (core/kv_slots.py), so a batch attends slab by
   slab, and logits only for the rows asked for
@@ -65,7 +64,7 @@ def bucket_rows(n: int) -> int:
     whatever the weight's size). A verifier's batches and prefills come in hundreds of row counts,
     so unbucketed a worker grew by hundreds of MiB over thousands of sessions until the caches
     filled (benchmarks/soak.py; tests/test_memory.py); with buckets a linear sees at most 27 shapes,
-    cached after warm-up, and no primitive is rebuilt (~2.5 ms each) on the request path."""
+    cached after warm-up, and no primitive is rebuilt (milliseconds each) on the request path."""
     if n <= EXACT_ROWS:
         return n
     if n <= 64:
@@ -158,8 +157,7 @@ class _Layouts:
     """One weight, in the layouts its calls use, and which kernel runs single-row calls (``one``)
     and calls of more rows (``many``): "packed" (oneDNN, prepacked), "plain" (``F.linear`` on the
     [out, in] weight), "transposed" (``torch.mm`` on an [in, out] copy: MKL's GEMM without a
-    transposed operand, which on an Intel Xeon here ran a demo target forward's linears at one row in
-    4.3 ms against 6.1 plain and 7.4 packed on one thread, and 2.0 against 3.5 and 4.6 on two) or
+    transposed operand, the fastest at one row on an Intel Xeon: docs/performance.md 8) or
     "native" (core/native_kernels.py, float32 where it builds).
     Layouts no chosen kernel uses are dropped, so at most two copies of the weight stay."""
 

@@ -1,8 +1,8 @@
 """Batch-invariant kernels for exact numerics on CUDA, in Triton: the paged runner's linears and attention.
 
 Why: exact numerics on CUDA ran each linear as 16-row tiles one after another and attention one
-sequence at a time, each a kernel launch: 1.9x a fast forward at one session and 26x at 64 on an
-H200 (docs/performance.md, GPU check). Here one launch covers the whole batch, and a row's bits still
+sequence at a time, each a kernel launch, many times a fast forward's cost at many sessions
+(docs/performance.md, GPU check). Here one launch covers the whole batch, and a row's bits still
 depend on nothing else in it:
 
 - `linear`: every program computes a fixed 16 x 64 tile of ``x @ W^T`` over K in fixed 64-wide steps
