@@ -1,16 +1,21 @@
 """specdec on one GPU, checked in one command: correctness, speed and the distributed layout, one JSON and one table.
 
-On the GPU machine (Python 3.12, its own CUDA torch, no network), from the repository root, at most
-8 minutes. Here, first, and again after any change to specdec (the GPU machine runs specdec from
-its wheel; the JSON says if it differs from the checkout): ``python3 scripts/bundle_wheels.py``
-(wheels/: what that machine lacks, and specdec's own wheel). Then one ``run`` of the device tool
-with ``carry: ["wheels"]`` and ``timeout_s: 600``:
+On a GPU machine: a CUDA build of torch, then specdec (README, "Quick start"), and from the
+repository root (a few minutes on an H200: docs/performance.md, "GPU check"):
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl \\
-      && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 && python3 benchmarks/gpu_check.py
+    python3 benchmarks/gpu_check.py --out DIR     # DIR: gpu_check.json, gpu_check.md, specdec-up.log
 
-It writes gpu_check.json, gpu_check.md and specdec-up.log to ``--out`` (default: $OUT when set, as on
-the device tool's machine, else benchmarks/results/gpu_check/). On a CPU, in the test suite
+On a GPU machine without network that has Python 3.12, a CUDA torch, transformers, grpcio, protobuf
+and prometheus-client: first, on a machine with network, from the repository root,
+``python3 scripts/bundle_wheels.py`` puts in wheels/ the rest that specdec's servers import and
+specdec's own wheel. Copy the checkout with wheels/ there; then, from its root:
+
+    python3 -m pip install --no-index --no-deps --target /tmp/site wheels/*.whl
+    PYTHONPATH=/tmp/site python3 benchmarks/gpu_check.py --out DIR
+
+The check runs the specdec it imports; rebuild the wheels after any change (the JSON's
+``stale_specdec_files`` lists the checkout's files that the installed specdec does not hold as they
+are). ``--out`` defaults to benchmarks/results/gpu_check/. On a CPU, in the test suite
 (tests/test_gpu_check.py), in under a minute: ``python3 benchmarks/gpu_check.py --device cpu --small``.
 
 Sections (each records its own failures in the JSON and the rest go on):
@@ -22,8 +27,9 @@ Sections (each records its own failures in the JSON and the rest go on):
     --small: a tiny one); and in exact numerics a row's logits are bitwise the same alone, in a k + 1
     block and beside other sessions.
 (b) speed: tokens/s target-only and speculative (adaptive) at 1, 16 and 64 sessions; the time of a
-    forward of k + 1 rows over one row (k = 1..8) for the random target; exact numerics against fast;
-    CUDA graphs on and off (where TargetConfig has the switch).
+    forward of k + 1 rows over one row (k = 1..8) for the random target; exact numerics against fast
+    (and, where exact numerics run on the Triton kernels, against the PyTorch tiles they replace);
+    CUDA graphs on and off.
 (c) the distributed premise: ``specdec up`` with the target on --device and the drafter on CPU cores,
     overlap on and off, against one process, on the demo pair (--small: the same roles over gRPC
     inside this process, ``--deployment in-process``: three processes importing torch take a minute
@@ -31,17 +37,15 @@ Sections (each records its own failures in the JSON and the rest go on):
 
 Without CUDA, bfloat16 runs only on a CPU with native bf16; elsewhere the bfloat16 parts run in
 float32 (said in the JSON). The engines are specdec's own, in this process (roles.embedded_engines,
-VerifierEngine's runner); nothing here reimplements decoding.
+VerifierEngine's runner); nothing here reimplements decoding. The report's files: gpu_report.py.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -49,20 +53,19 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import DEMO, ROOT, write_result  # noqa: E402
+from common import DEMO, ROOT  # noqa: E402
 import make_random_target  # noqa: E402
+from gpu_report import SECTIONS, environment, log, run_section, stale_files, write_report  # noqa: E402
 
 KS = (0, 1, 3, 5, None)  # None: adaptive
 NGRAM_KS = (3, None)
 VERIFY_KS = tuple(range(1, 9))
-GRAPHS_FIELD = "cuda_graphs"  # TargetConfig's switch (absent from a checkout without CUDA graphs)
 # Random targets: ~1.0B parameters in Llama-3.2-1B's shape (the demo tokenizer's 6,144-token vocabulary), or tiny.
 BIG_SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                  intermediate_size=8192, max_position_embeddings=1024)
@@ -101,14 +104,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 prompts=2 if small else 8, max_new=args.max_new or (8 if small else 64), levels=(1, 4) if small else (1, 16, 64),
                 distributed_levels=(1, 2) if small else (1, 16), reps=3 if small else 20, context=32 if small else 128,
                 deployment=args.deployment or ("in-process" if small else "up"))
-
-
-STARTED = time.perf_counter()
-
-
-def log(line: str) -> None:
-    """A progress line, with the seconds since the script started."""
-    print(f"[{time.perf_counter() - STARTED:7.1f}s] {line}", flush=True)
 
 
 def sync(device: str) -> None:
@@ -163,24 +158,14 @@ def make_random_pair(folder: Path, small: bool) -> Pair:
     return Pair(f"random-{params / 1e9:.2f}B" if not small else f"random-{params / 1e6:.1f}M", target, draft)
 
 
-def configured(cls, *args, **fields):
-    """``cls(*args, **fields)``, saying plainly which field this checkout's config does not have yet
-    (a field left at its default is dropped instead: the run degrades to what exists)."""
-    have = {f.name: f for f in dataclasses.fields(cls)}
-    missing = {k: v for k, v in fields.items() if k not in have}
-    if any(v not in (None, "cpu", "auto") for v in missing.values()):
-        raise RuntimeError(f"{cls.__name__} has no field {', '.join(missing)} in this checkout: cannot run {missing}")
-    return cls(*args, **{k: v for k, v in fields.items() if k in have})
-
-
 def load_verifier(plan: Plan, path: str, dtype: str, numerics: str, **extra):
     """A VerifierEngine on plan.device, checked to compute there (one forward)."""
     from specdec.core.runner import Feed
     from specdec.target.engine import TargetConfig, VerifierEngine
 
     sessions = max(max(plan.levels), plan.prompts * (len(KS) + len(NGRAM_KS))) + 8  # the grid's requests all at once
-    config = configured(TargetConfig, path, device=plan.device, runner=plan.runner, dtype=dtype, numerics=numerics,
-                        threads=plan.threads, max_sessions=sessions, max_kv_tokens=sessions * 512, **extra)
+    config = TargetConfig(path, device=plan.device, runner=plan.runner, dtype=dtype, numerics=numerics,
+                          threads=plan.threads, max_sessions=sessions, max_kv_tokens=sessions * 512, **extra)
     engine = VerifierEngine.from_config(config)
     cache = engine.runner.new_cache()
     with torch.inference_mode():
@@ -192,16 +177,11 @@ def load_verifier(plan: Plan, path: str, dtype: str, numerics: str, **extra):
 
 
 def describe(engine) -> str:
-    graphs = ", CUDA graphs" if getattr(engine.runner, "graphs", None) is not None else ""
-    kernels = getattr(engine.runner, "exact_kernels", None)
-    return f"{type(engine.runner).__name__}, {engine.numerics}{f' ({kernels})' if kernels else ''}{graphs}"
-
-
-def graphs_field() -> str | None:
-    """TargetConfig's CUDA graphs switch, if this checkout has one."""
-    from specdec.target.engine import TargetConfig
-
-    return GRAPHS_FIELD if GRAPHS_FIELD in {f.name for f in dataclasses.fields(TargetConfig)} else None
+    """The runner, its numerics, and on the paged runner its exact kernels and whether CUDA graphs replay."""
+    paged = engine.paged
+    kernels = f" ({paged.exact_kernels})" if paged is not None and paged.exact_kernels else ""
+    graphs = ", CUDA graphs" if paged is not None and paged.graphs is not None else ""
+    return f"{type(engine.runner).__name__}, {engine.numerics}{kernels}{graphs}"
 
 
 class Engines:
@@ -213,9 +193,8 @@ class Engines:
         self.loaded: dict[tuple, object] = {}
 
     def get(self, path: str, dtype: str, numerics: str, **extra):
-        """The engine; CUDA graphs (where the switch exists) on unless exact numerics (which has none)."""
-        if graphs_field():
-            extra.setdefault(graphs_field(), numerics != "exact")
+        """The engine; CUDA graphs on unless exact numerics (which has none)."""
+        extra.setdefault("cuda_graphs", numerics != "exact")
         key = (path, dtype, numerics, tuple(sorted(extra.items())))
         if key not in self.loaded:
             engine = self.loaded[key] = load_verifier(self.plan, path, dtype, numerics, **extra)
@@ -233,8 +212,8 @@ def load_drafter(plan: Plan, pair: Pair, device: str):
 
     dtype = "float32" if device == "cpu" else "bfloat16"
     # One model thread for both models in one process (as roles.embedded): no niceness on it.
-    return DraftEngine.from_config(configured(DraftConfig, pair.draft, pair.target, draft_device=device, draft_dtype=dtype,
-                                              threads=plan.threads, thread_nice=0))
+    return DraftEngine.from_config(DraftConfig(pair.draft, pair.target, draft_device=device, draft_dtype=dtype,
+                                               threads=plan.threads, thread_nice=0))
 
 
 @contextlib.asynccontextmanager
@@ -406,32 +385,44 @@ async def tokens_per_s(orch, texts: list[str], levels: tuple[int, ...], max_new:
     return out
 
 
-def forward_ms(engine, device: str, shapes: list[tuple[int, int]], context: int, reps: int) -> dict:
-    """Median ms of one runner forward of ``rows`` new tokens for each of ``sessions`` sessions holding
-    ``context`` tokens, for each (sessions, rows); shapes alternated within every repetition."""
+def forward_ms(runner, device: str, shapes: list[tuple[int, int]], context: int, reps: int) -> dict:
+    """Median ms of one forward of ``runner`` (core/runner.py) over ``rows`` new tokens for each of
+    ``sessions`` sessions holding ``context`` tokens, for each (sessions, rows); shapes alternated
+    within every repetition."""
     from specdec.core.runner import Feed
 
     prompt = [(5 * i) % 89 + 1 for i in range(context)]
-    caches = {s: [engine.runner.new_cache() for _ in range(s)] for s in {s for s, _ in shapes}}
+    caches = {s: [runner.new_cache() for _ in range(s)] for s in {s for s, _ in shapes}}
     times: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
     with torch.inference_mode():
         for cs in caches.values():
-            engine.runner.forward([Feed(c, 0, prompt, 1) for c in cs])
+            runner.forward([Feed(c, 0, prompt, 1) for c in cs])
         for rep in range(reps + 2):  # two warm-ups
             for sessions, rows in shapes:
                 feeds = [Feed(c, context, list(range(20, 20 + rows)), rows) for c in caches[sessions]]
                 for c in caches[sessions]:
-                    engine.runner.truncate(c, context)
+                    runner.truncate(c, context)
                 sync(device)
                 t0 = time.perf_counter()
-                engine.runner.forward(feeds)
+                runner.forward(feeds)
                 sync(device)
                 if rep >= 2:
                     times[sessions, rows].append((time.perf_counter() - t0) * 1e3)
     for cs in caches.values():
         for c in cs:
-            engine.runner.free(c)
+            runner.free(c)
     return {shape: statistics.median(ts) for shape, ts in times.items()}
+
+
+def exact_tiles_runner(plan: Plan, path: str, dtype: str, sessions: int):
+    """The paged runner in exact numerics on the PyTorch tiles the Triton kernels replace. A paged
+    runner picks its exact kernels once, at load, and TargetConfig leaves them to it: so this one is
+    built here, over its own copy of the model."""
+    from specdec.core.models import load_causal_lm
+    from specdec.core.paged_runner import PagedRunner
+
+    loaded = load_causal_lm(path, dtype=dtype, threads=plan.threads, device=plan.device)
+    return PagedRunner(loaded.model, max_sessions=sessions, numerics="exact", exact_kernels="tiles", own_weights=True)
 
 
 async def check_speed(plan: Plan, engines: Engines, demo: Pair, rand: Pair) -> dict:
@@ -454,42 +445,38 @@ async def check_speed(plan: Plan, engines: Engines, demo: Pair, rand: Pair) -> d
     def verify_cost() -> None:
         verifier = engines.get(rand.target, plan.lowp, "auto")
         log(f"speed: {rand.name} ({describe(verifier)}): a forward of k + 1 rows against one, k = 1..8")
-        ms = forward_ms(verifier, plan.device, [(1, k + 1) for k in (0, *VERIFY_KS)], plan.context, plan.reps)
+        ms = forward_ms(verifier.runner, plan.device, [(1, k + 1) for k in (0, *VERIFY_KS)], plan.context, plan.reps)
         results[f"verify_ms {rand.name}"] = {str(rows): v for (_, rows), v in ms.items()}
         results[f"verify_cost_ratio {rand.name}"] = {str(k): ms[1, k + 1] / ms[1, 1] for k in VERIFY_KS}
 
     def numerics_cost() -> None:
         ms = {}
-        no_graphs = {graphs_field(): False} if graphs_field() else {}  # the arithmetic's cost alone: exact has no graphs
-        for numerics in ("fast", "exact"):
-            verifier = engines.get(rand.target, plan.lowp, numerics, **no_graphs)
+        for numerics in ("fast", "exact"):  # the arithmetic's cost alone: no CUDA graphs (exact has none)
+            verifier = engines.get(rand.target, plan.lowp, numerics, cuda_graphs=False)
             log(f"speed: {rand.name} numerics {numerics} ({describe(verifier)}): forwards {shapes}")
-            ms[numerics] = forward_ms(verifier, plan.device, shapes, plan.context, plan.reps)
-            if numerics == "exact" and getattr(verifier.runner, "exact_kernels", None) == "triton":
-                verifier.runner.exact_kernels = "tiles"  # the loops Triton replaced, for the ratio (the switch is read per call)
+            ms[numerics] = forward_ms(verifier.runner, plan.device, shapes, plan.context, plan.reps)
+            if numerics == "exact" and verifier.paged is not None and verifier.paged.exact_kernels == "triton":
+                log(f"speed: {rand.name} numerics exact on the PyTorch tiles the Triton kernels replace: forwards {shapes}")
+                tiles = exact_tiles_runner(plan, rand.target, plan.lowp, max(plan.levels))
                 try:
-                    log(f"speed: {rand.name} numerics exact on the PyTorch tiles instead: forwards {shapes}")
-                    ms["exact_tiles"] = forward_ms(verifier, plan.device, shapes, plan.context, plan.reps)
+                    ms["exact_tiles"] = forward_ms(tiles, plan.device, shapes, plan.context, plan.reps)
                 finally:
-                    verifier.runner.exact_kernels = "triton"
+                    del tiles
+                    free()
         for numerics, got in ms.items():
             results[f"numerics_{numerics}_ms {rand.name}"] = {f"{s}x{r}": v for (s, r), v in got.items()}
         for numerics in ms.keys() - {"fast"}:
             results[f"{numerics}_over_fast {rand.name}"] = {f"{s}x{r}": ms[numerics][s, r] / ms["fast"][s, r] for s, r in shapes}
 
     def cuda_graphs() -> None:
-        field = graphs_field()
         if not plan.device.startswith("cuda"):
             skipped["cuda_graphs"] = "CUDA graphs are CUDA's: not on the CPU"
             return
-        if field is None:
-            skipped["cuda_graphs"] = f"TargetConfig has no {GRAPHS_FIELD} switch in this checkout"
-            return
         ms = {}
         for on in (True, False):
-            verifier = engines.get(rand.target, plan.lowp, "fast", **{field: on})
-            log(f"speed: {rand.name} {field}={on} ({describe(verifier)}): forwards {shapes}")
-            ms[on] = forward_ms(verifier, plan.device, shapes, plan.context, plan.reps)
+            verifier = engines.get(rand.target, plan.lowp, "fast", cuda_graphs=on)
+            log(f"speed: {rand.name} cuda_graphs={on} ({describe(verifier)}): forwards {shapes}")
+            ms[on] = forward_ms(verifier.runner, plan.device, shapes, plan.context, plan.reps)
         results[f"graphs_on_ms {rand.name}"] = {f"{s}x{r}": v for (s, r), v in ms[True].items()}
         results[f"graphs_off_ms {rand.name}"] = {f"{s}x{r}": v for (s, r), v in ms[False].items()}
         results[f"graphs_off_over_on {rand.name}"] = {f"{s}x{r}": ms[False][s, r] / ms[True][s, r] for s, r in shapes}
@@ -545,11 +532,11 @@ async def deployment(plan: Plan, pair: Pair, dtype: str):
     loopback = ServerConfig("127.0.0.1", 0)
     servers = []
     try:
-        draft_server, _ = await roles.start_draft(configured(DraftConfig, pair.draft, pair.target, draft_device="cpu",
-                                                            threads=plan.threads), loopback)
+        draft_server, _ = await roles.start_draft(DraftConfig(pair.draft, pair.target, draft_device="cpu",
+                                                              threads=plan.threads), loopback)
         servers.append(draft_server)
-        target_server, _ = await roles.start_target(configured(TargetConfig, pair.target, device=plan.device, runner=plan.runner,
-                                                               dtype=dtype, threads=plan.threads), loopback)
+        target_server, _ = await roles.start_target(TargetConfig(pair.target, device=plan.device, runner=plan.runner,
+                                                                 dtype=dtype, threads=plan.threads), loopback)
         servers.append(target_server)
         upstreams = roles.Upstreams(draft_server.address, target_server.address, pair.target, timeout_s=120.0, step_timeout_s=120.0)
         orch_server, orch = await roles.start_orchestrator(OrchestratorConfig(max_concurrent_requests=256), upstreams,
@@ -659,104 +646,7 @@ async def check_distributed(plan: Plan, engines: Engines, demo: Pair) -> dict:
     return {"results": results, "info": info, "errors": errors}
 
 
-# ----------------------------------------------------------------------------- report
-def environment(plan: Plan) -> dict:
-    import transformers
-
-    env = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-           "transformers": transformers.__version__, "device": plan.device, "draft_device": plan.draft_device,
-           "runner": plan.runner, "low_precision": plan.lowp, "small": plan.small}
-    if plan.device.startswith("cuda"):
-        try:
-            env["gpu"] = torch.cuda.get_device_name(plan.device)
-            env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(plan.device).total_memory / 2**30, 1)
-        except (RuntimeError, AssertionError) as exc:  # no CUDA here: every section will say so too
-            env["gpu"] = f"none: {exc}"
-    try:
-        env["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        env["commit"] = None
-    return env
-
-
-# Where each package of the installed specdec lives in the checkout (pyproject.toml's package-dir).
-PACKAGE_DIRS = {"specdec": "specdec", "specdec.core": "core", "specdec.draft": "services/draft",
-                "specdec.target": "services/target", "specdec.orchestrator": "orchestrator", "specdec.rpc": "specdec/rpc",
-                "specdec.v1": "specdec/v1", "specdec.autoscale": "specdec/autoscale"}
-
-
-def stale_files() -> list[str]:
-    """The checkout's files that the imported specdec does not hold as they are (a wheel built before
-    the last change, e.g. on the GPU machine); empty for an editable install."""
-    import importlib
-
-    differ = []
-    for package, folder in PACKAGE_DIRS.items():
-        installed = Path(importlib.import_module(package).__file__).parent
-        for source in sorted((ROOT / folder).glob("*.py")):
-            copy = installed / source.name
-            if not copy.is_file() or copy.read_bytes() != source.read_bytes():
-                differ.append(str(source.relative_to(ROOT)))
-    return differ
-
-
-def section(name: str, run: Callable[[], object]) -> dict:
-    """Run one section (a coroutine function); its exception, if any, is its record."""
-    t0 = time.perf_counter()
-    log(f"== {name}")
-    try:
-        out = asyncio.run(run())
-        status = "ok" if not out.get("errors") else "errors"
-    except Exception:
-        out, status = {"errors": {name: traceback.format_exc()}}, "failed"
-        log(f"{name} FAILED:\n{out['errors'][name]}")
-    return {"status": status, "seconds": round(time.perf_counter() - t0, 1), **out}
-
-
-def markdown(report: dict) -> str:
-    env = report["environment"]
-    lines = [f"# gpu_check: {env.get('gpu', env['device'])}, torch {env['torch']}, commit {env.get('commit')}", ""]
-    c = report["correctness"]
-    lines += [f"## (a) Correctness ({c['status']}, {c['seconds']} s): all equal: {c.get('all_equal')}", "",
-              "| pair | dtype | engine | reference | run | equal | differing prompts | draft tokens | accepted |", "|---" * 9 + "|"]
-    for r in c.get("comparisons", []):
-        lines.append(f"| {r['pair']} | {r['dtype']} | {r['engine']} | {r['reference']} | {r['run']} | {'yes' if r['equal'] else '**NO**'} "
-                     f"| {len(r['differing_prompts'])}/{r['prompts']} | {r['draft_tokens']} | {r['accepted_tokens']} |")
-    for name, value in (report["correctness"].get("info") or {}).items():
-        lines.append(f"\n{name}: {value}")
-    s = report["speed"]
-    lines += ["", f"## (b) Speed ({s['status']}, {s['seconds']} s)", ""]
-    for name, values in (s.get("results") or {}).items():
-        lines += [f"**{name}**", "", "| " + " | ".join(values) + " |", "|---" * len(values) + "|",
-                  "| " + " | ".join(f"{v:.3g}" for v in values.values()) + " |", ""]
-    d = report["distributed"]
-    how = (d.get("info") or {}).get("deployment", "up")
-    how = "specdec up" if how == "up" else how
-    lines += [f"## (c) Distributed ({d['status']}, {d['seconds']} s): {(d.get('info') or {}).get('layout', '')}", "",
-              f"| sessions/mode | one process tokens/s | {how} tokens/s | {how} / one process |", "|---|---|---|---|"]
-    res = d.get("results") or {}
-    for key, rate in (res.get("one_process") or {}).items():
-        up = (res.get("distributed") or {}).get(key)
-        ratio = (res.get("distributed_over_one_process") or {}).get(key)
-        lines.append(f"| {key} | {rate:.1f} | {'' if up is None else f'{up:.1f}'} | {'' if ratio is None else f'{ratio:.2f}'} |")
-    for name in ("correctness", "speed", "distributed"):
-        for what, reason in (report[name].get("skipped") or {}).items():
-            lines.append(f"\nskipped ({name}, {what}): {reason}")
-        for what, tb in (report[name].get("errors") or {}).items():
-            lines += ["", f"**error ({name}, {what})**", "", "```", tb.strip()[-1500:], "```"]
-    return "\n".join(lines) + "\n"
-
-
-def write_report(out: Path, report: dict) -> None:
-    write_result(out / "gpu_check.json", **report)
-    (out / "gpu_check.md").write_text(markdown(report))
-
-
-def default_out() -> Path:
-    return Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks" / "results" / "gpu_check"
-
-
+# ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N: the target's (auto: cuda when visible)")
@@ -765,13 +655,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny random target, few tokens, 1 and 4 sessions (the test suite's run)")
     ap.add_argument("--max-new", type=int, default=None, help="tokens a request generates (default: 64; --small: 8)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per model (default: 1 on the CPU, torch's own with CUDA)")
-    ap.add_argument("--out", default=None, help="folder for gpu_check.json and gpu_check.md (default: $OUT, else benchmarks/results/gpu_check)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_check"),
+                    help="folder for gpu_check.json, gpu_check.md and specdec-up.log (default: benchmarks/results/gpu_check)")
     ap.add_argument("--deployment", choices=("up", "in-process"), default=None,
                     help="(c): specdec up's three processes (default), or the same roles over gRPC in this process "
                          "(default with --small: starting three processes that import torch takes a minute on 2 cores)")
-    ap.add_argument("--skip", action="append", default=[], choices=("correctness", "speed", "distributed"))
+    ap.add_argument("--skip", action="append", default=[], choices=SECTIONS)
     args = ap.parse_args(argv)
-    args.out = args.out or default_out()
     plan = make_plan(args)
     plan.out.mkdir(parents=True, exist_ok=True)
     if plan.threads:
@@ -779,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"gpu_check: target on {plan.device}, draft on {plan.draft_device}, {plan.lowp}, runner {plan.runner}"
         f"{', small' if plan.small else ''}; out {plan.out}")
     demo = Pair("demo", str(DEMO / "target"), str(DEMO / "draft"))
-    report: dict = {"environment": environment(plan)}
+    report: dict = {"environment": environment(plan.device, draft_device=plan.draft_device, runner=plan.runner,
+                                               low_precision=plan.lowp, small=plan.small)}
     stale = report["environment"]["stale_specdec_files"] = stale_files()
     if stale:
         log(f"WARNING: the specdec imported here differs from this checkout in {len(stale)} files ({', '.join(stale[:5])}"
@@ -799,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in sections:
             report[name] = {"status": "not run yet", "seconds": 0}
         for name, run in sections.items():
-            report[name] = {"status": "skipped", "seconds": 0} if name in args.skip else section(name, run)
+            report[name] = {"status": "skipped", "seconds": 0} if name in args.skip else run_section(name, run)
             write_report(plan.out, report)  # after every section: a run stopped at its time limit keeps what it measured
         engines.clear()
     log(f"wrote {plan.out / 'gpu_check.json'} and {plan.out / 'gpu_check.md'}")
