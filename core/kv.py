@@ -14,14 +14,7 @@ import torch
 
 # The bookkeeping drives the runner interface, which never imports back.
 from specdec.core.runner import Feed, ModelRunner, runner_for
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+from specdec.core.steps import common_prefix_len
 
 
 def shared_prefixes(prompts: Sequence[Sequence[int]], min_shared: int,

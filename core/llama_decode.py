@@ -531,7 +531,7 @@ class LlamaDecoder:
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Rows ``q`` [n, h, d] over ``keys``/``values`` [kv, L, d]: [n, h * d]."""
         n, h, d = q.shape
-        # 4-D inputs: with 3-D ones PyTorch's CPU SDPA takes its slow math path (~3x slower here).
+        # 4-D inputs: with 3-D ones PyTorch's CPU SDPA takes its slow math path (docs/performance.md 8).
         att = F.scaled_dot_product_attention(
             q[None].transpose(1, 2), keys[None], values[None],
             attn_mask=mask, scale=1.0 / math.sqrt(d), enable_gqa=self.n_kv != h,

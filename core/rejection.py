@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.core.kv import common_prefix_len
+from specdec.core.steps import common_prefix_len
 from specdec.core.sampling import sample_from, top_ids
 
 

@@ -29,6 +29,15 @@ MAX_DISTRIBUTION_ENTRIES = 1024  # a draft token's sent distribution: its top-K 
 MAX_FALLBACK_DRAFTERS = 8  # other drafters a session may move to (SessionRun.fallback_drafters)
 
 
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 @dataclass(frozen=True)
 class SparseDistribution:
     """The exact distribution a draft token was drawn from: non-zero entries only."""

@@ -217,7 +217,7 @@ def test_services_import_no_orchestrator_or_command():
 # ----------------------------------------------------------------------------- pure modules
 # What a pure module may not load, itself or through anything it imports: transports and stores...
 IMPURE_PACKAGES = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "redis", "starlette", "uvicorn",
-                   "httpx", "prometheus_client", "kubernetes")
+                   "httpx", "prometheus_client", "kubernetes", "transformers")
 PURE_HOME = "specdec.core"  # ...and of the project, anything outside this package (services, orchestrator, CLI, rpc, v1)
 
 
@@ -299,3 +299,12 @@ def test_the_purity_checker_follows_imports_through_other_modules_and_functions(
     # Outside the pure modules' package, inside a function: the CLI (which imports grpc, never walked).
     flagged = impure_imports(["pkg.core.outward"], modules, graph, home="pkg.core", impure=("redis",))
     assert flagged and all("pkg.cli" in line for line in flagged), flagged
+
+
+def test_pure_modules_import_only_pure_modules_of_the_core():
+    """No model code either: a pure module's project imports are pure modules themselves (not the
+    runners, KV caches, kernels or model loading of core/), so the set closes on itself."""
+    pure = {f"{PURE_HOME}.{name}" for name in PURE_MODULES}
+    bad = [f"{module} imports {dep} ({shown(MODULES[module])}:{line})" for module in sorted(pure)
+           for dep, line in GRAPH[module].items() if under(dep, (PURE_HOME,)) and dep != PURE_HOME and dep not in pure]
+    assert not bad, "pure modules import model runtime or adapters:\n  " + "\n  ".join(bad)

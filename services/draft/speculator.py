@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specdec.core.errors import InvalidRequest
-from specdec.core.kv import common_prefix_len
+from specdec.core.steps import common_prefix_len
 from specdec.core.overlap import BlockBuffer, Predraft, could_continue, plan_predrafts
 from specdec.core.steps import DraftBlock, DraftProposal, StepOutcome, apply_outcome
 from specdec.draft.drafters import DraftSession
