@@ -121,6 +121,14 @@ class SessionState:
     wants_row_tokens: bool = False
     rows_out: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
 
+    def take_for_drafter(self) -> tuple[list, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None]:
+        """What the last steps left for the session's drafter (feature chunks, the last step's rows),
+        handed over once: the session forgets them (sent or, with the link down, dropped)."""
+        chunks, rows = list(self.features_out), self.rows_out
+        self.features_out.clear()
+        self.rows_out = None
+        return chunks, rows
+
     def feed(self, draft_ids: Sequence[int] = (), parents: tuple[int, ...] = (), prefill: bool = False) -> Feed:
         """The committed tokens the cache lacks (at least the last one, whose logits judge the first
         draft, or give a prefill its next token), then the drafts (a chain, or a tree's nodes with

@@ -113,12 +113,7 @@ class VerifierLoop:
         """The step's outcome, with the target's features for a drafter that reads them: the first
         chunk rides with the outcome, any more follow in outcomes that commit nothing."""
         state = self.plan.state
-        chunks = list(state.features_out) if state is not None else []
-        if chunks:
-            state.features_out.clear()  # (sent or, with the link down, dropped: a new link starts without them)
-        rows = state.rows_out if state is not None else None
-        if rows is not None:
-            state.rows_out = None
+        chunks, rows = state.take_for_drafter() if state is not None else ([], None)
         if self.link is not None and self.link.up:
             n, k, overlap = len(self.committed), self.plan.k, self.plan.overlap
             self.link.send(StepOutcome(n, token_ids, k, overlap, chunks[0] if chunks else None, *(rows or ())))
