@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--stop-s", type=float, default=5.0, help="how long a SIGSTOP freezes the primary")
-    ap.add_argument("--store-retry-s", type=float, default=None, help="the orchestrator's --store-retry-s (default: its own, 5 s)")
+    ap.add_argument("--store-retry-s", type=float, default=None, help="the orchestrator's --store-retry-s (default: its own, read from the store)")
     ap.add_argument("--step-timeout-s", type=float, default=3.0)
     ap.add_argument("--grace-s", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)

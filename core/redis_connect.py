@@ -16,6 +16,9 @@ is acknowledged once it reached that many replicas, so a promoted replica has ev
 client was told about; 0 for a cluster without replicas), ``replica_ack_timeout_ms`` (500),
 ``socket_timeout`` (2 s: a frozen node is given up on and a promoted replica found),
 ``socket_connect_timeout`` (1 s), ``ssl_ca_certs`` (a CA file for the TLS forms).
+
+`retry_budget` says how long a failed call is worth trying again on the deployment a client
+reaches: long enough to ride out its failover, read from the deployment itself.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.exceptions import ClusterDownError, ReadOnlyError, RedisClusterException, RedisError, TryAgainError
 
 from specdec.core.errors import InvalidRequest
 
@@ -257,3 +261,85 @@ def _acked(result: object, acked: object, replicas: int, timeout_ms: int) -> obj
     if result == 1 and int(acked) < replicas:  # 1: the script wrote (every store script returns 1 when it did)
         raise ReplicaAckMissing(f"the write reached {acked} of {replicas} replicas in {timeout_ms} ms")
     return result
+
+
+# ----------------------------------------------------------------------------- riding out a failover
+# How long a failed store call is worth trying again (docs/operations.md, "Failover settings"):
+# one server, its restart; a Redis Cluster or a Sentinel-managed primary, twice the time it takes
+# to declare a primary dead (the election after it can take as long again) plus the margin, which
+# also covers the client finding the promoted replica. Redis's own defaults when the setting cannot
+# be read (CONFIG renamed or refused, nodes unreachable at start).
+RESTART_RETRY_S = 5.0
+FAILOVER_MARGIN_S = 5.0
+REDIS_DEFAULT_NODE_TIMEOUT_MS = 15_000  # cluster-node-timeout
+SENTINEL_DEFAULT_DOWN_AFTER_MS = 30_000  # down-after-milliseconds
+
+# What a store call meets while a primary fails over: worth trying again within the budget.
+FAILOVER_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError, ClusterDownError,
+                   TryAgainError, ReadOnlyError, RedisClusterException)
+
+
+@dataclass(frozen=True)
+class RetryBudget:
+    """How long a failed store call is tried again before it fails, and where that figure comes from."""
+
+    seconds: float
+    source: str  # for the log line at start
+
+
+def failover_budget_s(detection_ms: float) -> float:
+    """The retry budget that covers a failover whose failure detection takes ``detection_ms``."""
+    return 2 * detection_ms / 1000 + FAILOVER_MARGIN_S
+
+
+async def retry_budget(client: aioredis.Redis | RedisCluster) -> RetryBudget:
+    """The budget for ``client``'s deployment, read from it once: a cluster's ``cluster-node-timeout``
+    (the largest its nodes report), a Sentinel's ``down-after-milliseconds`` for the service."""
+    if isinstance(client, RedisCluster):
+        timeouts, why = await _cluster_node_timeouts(client)
+        if timeouts:
+            ms = max(timeouts)
+            return RetryBudget(failover_budget_s(ms), f"a Redis Cluster with cluster-node-timeout {ms} ms")
+        ms = REDIS_DEFAULT_NODE_TIMEOUT_MS
+        return RetryBudget(failover_budget_s(ms), f"a Redis Cluster whose cluster-node-timeout could not be read ({why}): "
+                                                  f"Redis's default {ms} ms assumed")
+    pool = client.connection_pool
+    if isinstance(pool, SentinelConnectionPool):
+        ms, why = await _sentinel_down_after(pool)
+        if ms is not None:
+            return RetryBudget(failover_budget_s(ms), f"a Sentinel-managed primary with down-after-milliseconds {ms} ms")
+        ms = SENTINEL_DEFAULT_DOWN_AFTER_MS
+        return RetryBudget(failover_budget_s(ms), f"a Sentinel-managed primary whose down-after-milliseconds could not be "
+                                                  f"read ({why}): Sentinel's default {ms} ms assumed")
+    return RetryBudget(RESTART_RETRY_S, "one Redis server: a restart")
+
+
+async def _cluster_node_timeouts(client: RedisCluster) -> tuple[list[int], str]:
+    """``cluster-node-timeout`` of every node that tells it, and why none did (if none)."""
+    try:
+        await client.initialize()
+    except (RedisError, RedisClusterException, OSError) as exc:
+        return [], f"the cluster is unreachable: {exc}"
+
+    async def node_timeout(node: ClusterNode) -> int:
+        reply = await client.execute_command("CONFIG", "GET", "cluster-node-timeout", target_nodes=node)
+        return int(reply[b"cluster-node-timeout"])  # KeyError: a reply without it, as a refusal
+
+    replies = await asyncio.gather(*(node_timeout(n) for n in client.get_nodes()), return_exceptions=True)
+    timeouts = [r for r in replies if isinstance(r, int)]
+    refused = [r for r in replies if isinstance(r, Exception)]
+    if not timeouts and refused:  # CONFIG renamed or not allowed to this user, or every node down
+        return [], f"CONFIG GET: {refused[0]!r}"[:300]
+    return timeouts, "no nodes"
+
+
+async def _sentinel_down_after(pool: SentinelConnectionPool) -> tuple[int | None, str]:
+    why = "no Sentinel answered"
+    for sentinel in pool.sentinel_manager.sentinels:
+        try:
+            state = await sentinel.sentinel_master(pool.service_name)
+            return int(state["down-after-milliseconds"]), ""
+        except (RedisError, OSError, KeyError, TypeError, ValueError) as exc:
+            why = f"SENTINEL MASTER: {exc}"
+    return None, why
+

@@ -8,6 +8,8 @@ uses the longest run of valid blocks from position 0 and recomputes the rest. Bl
 refreshed, so none outlives the session's record (whose TTL every commit renews), and at most
 ``max_session_tokens`` positions of a session are kept: its Redis memory for KV is capped at
 ``max_session_tokens // block_tokens`` blocks of `BlockLayout.payload_bytes` plus an 80-byte header.
+A write that fails is tried again while the Redis fails over (core/redis_connect.retry_budget); a
+read that fails is not waited for: the session opening recomputes those positions instead.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 from redis.exceptions import RedisClusterException, RedisError
 
 from specdec.core.kv_blocks import BlockLayout, CorruptBlock, PendingBlock, decode_block
-from specdec.core.redis_connect import connect
+from specdec.core.redis_connect import FAILOVER_ERRORS, connect, retry_budget
 from specdec.core.sessions import check_session_id, short_id
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ class RedisKVStore:
                 self.dropped += 1
 
     async def _write_forever(self) -> None:
+        budget = await retry_budget(self._redis)
+        log.info("KV blocks: a failed write is tried again for up to %g s (%s), then dropped", budget.seconds, budget.source)
         while True:
             batch = [await self._queue.get()]
             while not self._queue.empty() and len(batch) < 32:
@@ -71,10 +75,7 @@ class RedisKVStore:
             try:
                 if any(isinstance(data, PendingBlock) for _, _, data in batch):  # from device memory: wait and encode off the loop
                     batch = await asyncio.to_thread(_encoded, batch)
-                async with self._redis.pipeline(transaction=False) as pipe:  # one round trip for the lot
-                    for session_id, index, data in batch:
-                        pipe.set(self.key(session_id, index), data, px=self._ttl_ms)
-                    await pipe.execute()
+                await self._write(batch, budget.seconds)
                 self.written += len(batch)
             except (RedisError, RedisClusterException, OSError, RuntimeError, ValueError) as exc:  # the writer lives on
                 self.dropped += len(batch)
@@ -82,6 +83,24 @@ class RedisKVStore:
             finally:
                 for _ in batch:
                     self._queue.task_done()
+
+    async def _write(self, batch: list[tuple[str, int, bytes]], budget_s: float) -> None:
+        """One round trip for the lot, tried again while Redis fails over (blocks offered meanwhile
+        wait in the queue, or are dropped when it is full)."""
+        loop = asyncio.get_running_loop()
+        deadline, wait = loop.time() + budget_s, 0.05
+        while True:
+            try:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for session_id, index, data in batch:
+                        pipe.set(self.key(session_id, index), data, px=self._ttl_ms)
+                    await pipe.execute()
+                return
+            except FAILOVER_ERRORS:
+                if loop.time() + wait > deadline:
+                    raise
+                await asyncio.sleep(wait)
+                wait = min(0.5, wait * 2)
 
     async def flush(self, timeout_s: float = 5.0) -> None:
         """Wait until what was offered so far is written or dropped (tests, shutdown), at most ``timeout_s``."""

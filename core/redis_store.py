@@ -39,7 +39,7 @@ from redis.exceptions import (
 )
 
 from specdec.core.errors import CorruptRecord, InvalidRequest, SessionNotFound, StoreUnavailable
-from specdec.core.redis_connect import ReplicaAckMissing, connect, eval_acked, parse_redis_url
+from specdec.core.redis_connect import ReplicaAckMissing, RetryBudget, connect, eval_acked, parse_redis_url, retry_budget
 from specdec.core.sessions import (
     SessionRecord,
     SessionStatus,
@@ -223,6 +223,7 @@ class RedisSessionStore:
         self._claim = client.register_script(_CLAIM)
         self._abandon = client.register_script(_ABANDON)
         self._read = client.register_script(_GET)
+        self._retry_budget: RetryBudget | None = None
 
     @classmethod
     def from_url(cls, url: str, ttl_s: float = 3600, prefix: str = "specdec") -> RedisSessionStore:
@@ -232,6 +233,13 @@ class RedisSessionStore:
         target = parse_redis_url(url)
         return cls(connect(target), ttl_s=ttl_s, prefix=prefix, replica_acks=target.replica_acks,
                    replica_ack_timeout_ms=target.replica_ack_timeout_ms)
+
+    async def retry_budget(self) -> RetryBudget:
+        """How long a failed call is worth trying again on this deployment (a cluster's failover
+        time, read from the cluster: core/redis_connect.py), read once."""
+        if self._retry_budget is None:
+            self._retry_budget = await retry_budget(self._redis)
+        return self._retry_budget
 
     async def _write(self, script, keys: list[str], args: list) -> int:
         """Run a write script; with ``replica_acks``, done only once that many replicas have it."""

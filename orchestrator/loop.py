@@ -25,7 +25,8 @@ from specdec.core.speculation import SpeculationPolicy
 from specdec.core.steps import SessionRun, SessionSpec, VerifyWorker, validate_prompt
 from specdec.orchestrator.admission import AdmissionQueue
 from specdec.orchestrator.detokenize import Detokenizer
-from specdec.orchestrator.request import GenerationRequest, OrchestratorConfig, params_json, request_from_record
+from specdec.orchestrator.request import (DEFAULT_STORE_RETRY_S, GenerationRequest, OrchestratorConfig, params_json,
+                                          request_from_record)
 
 if TYPE_CHECKING:
     from specdec.metrics import OrchestratorMetrics
@@ -130,8 +131,9 @@ class Orchestrator:
             self._reaper = None
 
     async def session(self, session_id: str, owner: str) -> SessionRecord:
-        """A session's record, for its owner only: anyone else is told it does not exist."""
-        record = await self.store.get(session_id)
+        """A session's record, for its owner only: anyone else is told it does not exist. A store
+        failing over is waited for, as by a stream (a resume reads this first)."""
+        record = await self._retrying(lambda: self.store.get(session_id))
         if not hmac.compare_digest(str(record.params.get("owner", "")), owner):
             raise SessionNotFound(f"no session {short_id(session_id)} for this key")
         return record
@@ -245,12 +247,12 @@ class Orchestrator:
             ended = FinishReason.CONTEXT_FULL
         if ended is not None:  # nothing to generate: what is left, and how it ended
             if record.status is not SessionStatus.FINISHED:
-                await self.store.finish(session_id, SessionStatus.FINISHED, ended.value)
+                await self._retrying(lambda: self.store.finish(session_id, SessionStatus.FINISHED, ended.value))
             yield undelivered(detok.add(output[received:]) + detok.finish(), ended)
             return
         async with self.admission.slot():
             holder = new_holder()
-            await self.store.claim(session_id, len(output), holder)
+            await self._retrying(lambda: self.store.claim(session_id, len(output), holder))  # idempotent for one holder
             spec = SessionSpec(session_id, tuple(record.prompt_ids) + output, request.sampling,
                                request.drafter or self.config.default_drafter, request.lookahead)
             run = await self._session_run(spec, request.max_new_tokens - len(output),
@@ -315,19 +317,20 @@ class Orchestrator:
         """Commit one step; safe to retry, since a commit naming the length it extends lands once."""
         await self._retrying(lambda: self.store.commit(session_id, tokens, counters, (drafted,), holder, after))
 
-    async def _retrying(self, write) -> None:
-        """A store write, riding out a store that is briefly away (a Redis restart): ``write()`` is
-        tried again for up to ``store_retry_s``, so the stream only pauses; past that,
-        StoreUnavailable ends it (the client may resume later)."""
+    async def _retrying(self, call):
+        """A store call, riding out a store that is briefly away (a Redis restart, a failover):
+        ``call()`` is tried again for up to ``store_retry_s``, so the stream only pauses; past that,
+        StoreUnavailable ends it, saying how long it was tried (the client may resume later)."""
+        budget_s = self.config.store_retry_s if self.config.store_retry_s is not None else DEFAULT_STORE_RETRY_S
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.store_retry_s
+        deadline = loop.time() + budget_s
         wait = 0.05
         while True:
             try:
-                return await write()
-            except StoreUnavailable:
+                return await call()
+            except StoreUnavailable as exc:
                 if loop.time() + wait > deadline:
-                    raise
+                    raise StoreUnavailable(f"{exc} (tried for {budget_s:g} s, the orchestrator's store retry budget)") from None
                 await asyncio.sleep(wait)
                 wait = min(0.5, wait * 2)
 

@@ -10,6 +10,9 @@ from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 from specdec.core.steps import LookaheadParams
 
 
+DEFAULT_STORE_RETRY_S = 5.0  # a store restart
+
+
 @dataclass(frozen=True)
 class OrchestratorConfig:
     """Limits and defaults of one orchestrator. Built once, passed explicitly."""
@@ -28,8 +31,10 @@ class OrchestratorConfig:
     session_ttl_s: float = 3600.0
     # A running session that committed nothing for this long has lost its orchestrator: another may resume it.
     resume_lease_s: float = 10.0
-    # A store write that fails (Redis restarting) is tried again this long before the stream fails.
-    store_retry_s: float = 5.0
+    # A store call that fails (Redis restarting, failing over) is tried again this long before the
+    # stream fails. None: the store's own failover time (roles.start_orchestrator reads a Redis
+    # store's from it), else DEFAULT_STORE_RETRY_S.
+    store_retry_s: float | None = None
 
 
 @dataclass(frozen=True)

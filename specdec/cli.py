@@ -160,9 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", default=os.environ.get(ENV_REDIS),
                        help=f"session store (default ${ENV_REDIS}; none: in memory): redis://, rediss://, "
                             "redis+cluster://h:p[,h:p...] or redis+sentinel://h:p[,h:p...]/service (docs/operations.md)")
-    serve.add_argument("--store-retry-s", type=float, default=5.0,
-                       help="orchestrator: a failed session-store write is retried this long (a Redis restart, a "
-                            "failover) before the stream ends with UNAVAILABLE; make it cover your failover time")
+    serve.add_argument("--store-retry-s", type=float, default=None,
+                       help="orchestrator: a failed session-store call is retried this long (a Redis restart, a "
+                            "failover) before the stream ends with UNAVAILABLE (default: read from the store: a "
+                            "cluster's or Sentinel's failover time, a restart's for one server; docs/operations.md)")
     serve.add_argument("--max-new-tokens-limit", type=int, default=2048)
     serve.add_argument("--max-concurrent-requests", type=int, default=64, help="orchestrator: requests generating at once")
     serve.add_argument("--max-waiting-requests", type=int, default=256,
@@ -197,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-url", default=os.environ.get(ENV_REDIS, "redis://127.0.0.1:6379/0"),
                     help="session store: redis://, rediss://, redis+cluster://h:p[,h:p...] or "
                          "redis+sentinel://h:p[,h:p...]/service (docs/operations.md)")
-    up.add_argument("--store-retry-s", type=float, default=5.0,
-                    help="the orchestrators retry a failed session-store write this long (cover your failover time)")
+    up.add_argument("--store-retry-s", type=float, default=None,
+                    help="the orchestrators retry a failed session-store call this long (default: read from the store)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--base-port", type=int, default=PORTS["orchestrator"], help="orchestrator port; draft +1, target +2")
     up.add_argument("--replicas", type=int, default=1,
@@ -552,7 +553,9 @@ def _up(args) -> int:
     # The processes share this machine's cores: one torch thread per model process unless told
     # otherwise, and OpenMP threads that sleep when idle instead of spinning on a core another
     # process needs (spinning slows a neighbour many times over; docs/performance.md).
-    common += ["--threads", str(args.threads or 1), "--store-retry-s", str(args.store_retry_s)]
+    common += ["--threads", str(args.threads or 1)]
+    if args.store_retry_s is not None:  # else each orchestrator reads it from the store
+        common += ["--store-retry-s", str(args.store_retry_s)]
     # A fresh service token per run, through the environment: only these processes hold it.
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
            ENV_SERVICE_TOKEN: os.environ.get(ENV_SERVICE_TOKEN) or secrets.token_urlsafe(32)}

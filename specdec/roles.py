@@ -20,7 +20,7 @@ from specdec.core.threads import ThreadChooser
 from specdec.draft.drafters import DraftConfig
 from specdec.draft.engine import DraftEngine
 from specdec.orchestrator.loop import Orchestrator, TargetInfo
-from specdec.orchestrator.request import OrchestratorConfig
+from specdec.orchestrator.request import DEFAULT_STORE_RETRY_S, OrchestratorConfig
 from specdec.rpc.server import RunningServer, ServerConfig, start_server
 from specdec.rpc.tls import TlsFiles
 from specdec.target.engine import TargetConfig, VerifierEngine
@@ -43,6 +43,24 @@ def make_store(redis_url: str | None, ttl_s: float) -> SessionStore:
 
         return RedisSessionStore.from_url(redis_url, ttl_s=ttl_s)
     return InMemorySessionStore(ttl_s=ttl_s)
+
+
+async def with_store_retry(config: OrchestratorConfig, store: SessionStore) -> OrchestratorConfig:
+    """``config`` with its store retry budget decided, and logged once: the operator's
+    (``store_retry_s`` set), else a Redis store's failover time read from the deployment (a
+    cluster's ``cluster-node-timeout``, a Sentinel's ``down-after-milliseconds``), else the default."""
+    from specdec.core.redis_store import RedisSessionStore
+
+    if config.store_retry_s is not None:
+        seconds, source = config.store_retry_s, "set by the operator (--store-retry-s)"
+    elif isinstance(store, RedisSessionStore):
+        budget = await store.retry_budget()
+        seconds, source = budget.seconds, budget.source
+    else:
+        seconds, source = DEFAULT_STORE_RETRY_S, "the default"
+    log.info("a failed session-store call is tried again for up to %g s before its stream fails with UNAVAILABLE (%s)",
+             seconds, source)
+    return dataclasses.replace(config, store_retry_s=seconds)
 
 
 def embedded(target: TargetConfig, draft: DraftConfig, config: OrchestratorConfig, store: SessionStore | None = None,
@@ -170,6 +188,8 @@ async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, s
     from specdec.orchestrator import servicer
     from specdec.orchestrator.pool import DrafterPool, VerifierPool, expand
     from specdec.orchestrator.remote import RemoteVerifyWorker, RemoteWorker
+
+    config = await with_store_retry(config, store)
 
     def pool_of(addresses: str) -> tuple[list[str], bool]:
         """The addresses, and whether they are one IP address (else: a pool, names followed)."""
