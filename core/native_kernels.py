@@ -1,18 +1,24 @@
-"""specdec's own float32 kernels (core/native/kernels.c), built on the machine that runs them.
+"""specdec's own kernels (core/native/kernels.c), built on the machine that runs them: float32 math,
+with linears over float32, bfloat16 or float16 weights.
 
 Why: a oneDNN-packed linear gives a row the same bits whatever shares its call on the CPUs measured,
 but it is slow at the row counts speculation lives at (1 to 16 rows; docs/performance.md 13), and
 MKL's faster ones are not batch-invariant. This kernel is invariant by construction (every output is
 one chain of fused multiply-adds in a fixed order, whatever the rows, their place or the threads) and
-reads a single row's weights at close to the memory's speed.
+reads a single row's weights at close to the memory's speed. Where a target is bound by reading its
+weights, half-precision weights halve the bytes; the kernel widens each one exactly to float32 in
+registers, so it needs no bf16 arithmetic from the CPU (AVX2 with FMA does; float16 needs F16C) and
+a row's result is the float32 kernel's over the widened weights, bit for bit.
 
 The C file is compiled once per source, compiler and CPU with ``-march=native`` (the CPU's own
 vector width: AVX2 with FMA or AVX-512, found by the compiler, nothing hard-coded), into
 ``$SPECDEC_CACHE_DIR`` (default ``~/.cache/specdec``), and loaded with ctypes: no Python headers,
 no torch extension build. Where no C compiler works, or the CPU has neither AVX2 with FMA nor
 AVX-512, `available()` is False and the decoders keep oneDNN's kernels. ``SPECDEC_NATIVE_KERNELS=0``
-turns it off. The call releases the GIL, so a large call is split by columns over Python threads
-(`torch.get_num_threads()` of them); the split never changes a bit.
+turns it off; ``SPECDEC_NATIVE_MARCH`` builds for another ``-march`` than ``native`` (``haswell``: the
+AVX2 kernels, which any AVX2 machine runs, so an AVX-512 machine can test them). The call releases the
+GIL, so a large call is split by columns over Python threads (`torch.get_num_threads()` of them); the
+split never changes a bit.
 """
 from __future__ import annotations
 
@@ -38,6 +44,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("native") / "kernels.c"
 COMPILE_TIMEOUT_S = 120
 KV_DTYPES = (torch.float32, torch.bfloat16)  # what `attention` reads keys and values in
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # a linear's weight dtype -> the C kernel's `wt`
+_GEMMS = {torch.float32: "specdec_gemm", torch.bfloat16: "specdec_gemm_bf16", torch.float16: "specdec_gemm_f16"}
 PARALLEL_MACS = 1 << 22  # multiply-adds of a call from which it is split over threads (a hand-off costs tens of µs)
 
 
@@ -49,9 +57,13 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+def _march() -> str:
+    return os.environ.get("SPECDEC_NATIVE_MARCH") or "native"
+
+
 def _build_key(compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    text = "\n".join([SOURCE.read_text(), compiler, version, " ".join(sorted(cpu_flags()))])
+    text = "\n".join([SOURCE.read_text(), compiler, version, " ".join(sorted(cpu_flags())), _march()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -70,8 +82,8 @@ def library() -> ctypes.CDLL | None:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then renamed: racing processes are safe
                 built = Path(tmp) / path.name
-                result = subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(built), str(SOURCE)],
-                                        capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+                command = [compiler, "-O3", f"-march={_march()}", "-shared", "-fPIC", "-o", str(built), str(SOURCE)]
+                result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
                 if result.returncode != 0:
                     log.warning("native kernels off: %s could not build %s on this CPU: %s", compiler, SOURCE.name,
                                 (result.stderr.strip().splitlines() or ["no message"])[-1])
@@ -82,9 +94,11 @@ def library() -> ctypes.CDLL | None:
         log.warning("native kernels off: %s", exc)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.specdec_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64]
-    lib.specdec_gemm.restype = None
+    for name in _GEMMS.values():
+        getattr(lib, name).argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64]
+        getattr(lib, name).restype = None
     lib.specdec_panel_width.restype = ctypes.c_int
+    lib.specdec_weight_types.restype = ctypes.c_int
     f32 = ctypes.c_float
     for name, types in (
         ("specdec_rms_norm", [ptr, i64, i64, i64, ptr, f32, ptr]),
@@ -96,7 +110,7 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = types
         getattr(lib, name).restype = None
     lib.specdec_decoder_layer.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr, ptr,
-                                          ptr, i64, i64, i64, f32, ptr]
+                                          ptr, i64, i64, i64, f32, ptr, ctypes.c_int]
     lib.specdec_decoder_layer.restype = None
     return lib
 
@@ -105,51 +119,71 @@ def available() -> bool:
     return library() is not None
 
 
+def weight_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes `NativeLinear` runs here (float16 only where the CPU has F16C); () without the kernels."""
+    lib = library()
+    if lib is None:
+        return ()
+    bits = lib.specdec_weight_types()
+    return tuple(dtype for dtype, wt in WEIGHT_TYPES.items() if bits >> wt & 1)
+
+
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="specdec-gemm")
 
 
 class NativeLinear:
-    """``x @ weight.T`` for float32 ``weight`` [out, in], held only as the kernel's panels."""
+    """``x @ weight.T`` for a ``weight`` [out, in] in float32, bfloat16 or float16 (`weight_dtypes`), held
+    only as the kernel's panels in that dtype (the weight once, at its own bytes). The math is float32:
+    float32 rows give float32 results; bfloat16 or float16 rows are widened exactly and the results
+    rounded back to their dtype, as ``F.linear`` in that dtype returns them."""
 
-    __slots__ = ("panels", "shape", "_gemm", "_width")
+    __slots__ = ("panels", "shape", "dtype", "_gemm")
 
     def __init__(self, weight: torch.Tensor) -> None:
         lib = library()
         if lib is None:
             raise RuntimeError("native kernels are not available on this machine")
-        if weight.dtype != torch.float32 or weight.dim() != 2:
-            raise ValueError(f"NativeLinear takes a 2-D float32 weight, got {weight.dtype} {tuple(weight.shape)}")
+        if weight.dim() != 2 or weight.dtype not in weight_dtypes():
+            names = ", ".join(str(d).removeprefix("torch.") for d in weight_dtypes())
+            raise ValueError(f"NativeLinear takes a 2-D weight in {names} here, got {weight.dtype} {tuple(weight.shape)}")
         out, inp = weight.shape
         width = lib.specdec_panel_width()
         count = -(-out // width)
-        # [panels, in, width]: each panel's columns one contiguous stream; zero columns past ``out``
-        self.panels = F.pad(weight.detach(), (0, 0, 0, count * width - out)).view(count, width, inp).transpose(1, 2).contiguous()
-        self.shape = (out, inp)
-        self._gemm, self._width = lib.specdec_gemm, width
+        rows = F.pad(weight.detach(), (0, 0, 0, count * width - out)).view(count, width, inp)  # zero columns past ``out``
+        if weight.dtype == torch.bfloat16:
+            # [panels, in, width] with each panel row's halves interleaved (column i, then i + width / 2): one
+            # load gives the kernel both halves (core/native/kernels.c)
+            self.panels = rows.view(count, 2, width // 2, inp).permute(0, 3, 2, 1).contiguous().view(count, inp, width)
+        else:
+            self.panels = rows.transpose(1, 2).contiguous()  # [panels, in, width]: each panel one contiguous stream
+        self.shape, self.dtype = (out, inp), weight.dtype
+        self._gemm = getattr(lib, _GEMMS[weight.dtype])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out, inp = self.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != inp:
-            raise ValueError(f"NativeLinear {self.shape} takes float32 rows [n, {inp}], got {x.dtype} {tuple(x.shape)}")
-        x = x.contiguous()
+        if x.dtype not in WEIGHT_TYPES or x.dim() != 2 or x.shape[1] != inp:
+            raise ValueError(f"NativeLinear {self.shape} takes float32 rows [n, {inp}] (or bfloat16/float16 ones, widened), "
+                             f"got {x.dtype} {tuple(x.shape)}")
+        rows_dtype = x.dtype
+        x = x.contiguous() if rows_dtype == torch.float32 else x.float()  # widening is exact
         rows = x.shape[0]
         y = torch.empty(rows, out, dtype=torch.float32)
         if rows == 0:
-            return y
+            return y.to(rows_dtype)
         count = self.panels.shape[0]
         args = (x.data_ptr(), rows, inp, self.panels.data_ptr(), out, y.data_ptr())
         threads = min(torch.get_num_threads(), count)
         if threads <= 1 or rows * out * inp < PARALLEL_MACS:
             self._gemm(*args, 0, count)
-            return y
-        bounds = [count * t // threads for t in range(threads + 1)]
-        futures = [_pool().submit(self._gemm, *args, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
-        self._gemm(*args, bounds[0], bounds[1])
-        for f in futures:
-            f.result()
-        return y
+        else:
+            bounds = [count * t // threads for t in range(threads + 1)]
+            futures = [_pool().submit(self._gemm, *args, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+            self._gemm(*args, bounds[0], bounds[1])
+            for f in futures:
+                f.result()
+        return y if rows_dtype == torch.float32 else y.to(rows_dtype)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -224,17 +258,21 @@ def decoder_layer(x: torch.Tensor, layer: tuple, shape: tuple[int, int, int, int
                   keys: torch.Tensor, values: torch.Tensor, start: int, work: torch.Tensor) -> None:
     """One decoder layer over one sequence's rows ``x`` [n, hidden] (updated in place) in one call, with the
     per-op path's kernels in its order (so the same bits): ``layer`` (ln1, qkv, o, ln2, gate_up, down) with
-    NativeLinear projections, ``shape`` (heads, kv_heads, head_dim, intermediate), ``cos_sin`` [n, d / 2, 2],
-    ``keys``/``values`` [kv, positions, d] of this layer (head_dim contiguous, same strides), rows at
-    positions ``start``..; ``work``: `decoder_layer_work` floats."""
+    NativeLinear projections of one weight dtype, ``shape`` (heads, kv_heads, head_dim, intermediate),
+    ``cos_sin`` [n, d / 2, 2], float32 ``keys``/``values`` [kv, positions, d] of this layer (head_dim
+    contiguous, same strides), rows at positions ``start``..; ``work``: `decoder_layer_work` floats."""
     ln1, qkv, o, ln2, gate_up, down = layer
     heads, kv, d, inter = shape
     n, hidden = x.shape
+    projections = (qkv, o, gate_up, down)
+    if len({f.dtype for f in projections}) != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32:
+        raise ValueError(f"decoder_layer takes projections of one weight dtype and float32 keys and values; got "
+                         f"{[f.dtype for f in projections]}, {keys.dtype} and {values.dtype}")
     library().specdec_decoder_layer(
         x.data_ptr(), n, hidden, heads, kv, d, inter, ln1.data_ptr(), ln2.data_ptr(), ctypes.c_float(eps),
         qkv.panels.data_ptr(), o.panels.data_ptr(), gate_up.panels.data_ptr(), down.panels.data_ptr(), cos_sin.data_ptr(),
         keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), start, ctypes.c_float(1.0 / math.sqrt(d)),
-        work.data_ptr())
+        work.data_ptr(), WEIGHT_TYPES[qkv.dtype])
 
 
 def decoder_layer_work(n: int, hidden: int, shape: tuple[int, int, int, int], start: int) -> int:

@@ -56,8 +56,87 @@ def test_linear_refuses_what_it_cannot_run():
         linear(torch.randn(2, 15))
     with pytest.raises(ValueError, match="float32"):
         linear(torch.randn(2, 16, dtype=torch.float64))
-    with pytest.raises(ValueError, match="2-D float32 weight"):
+    with pytest.raises(ValueError, match="2-D weight in float32, bfloat16"):
         native_kernels.NativeLinear(torch.randn(8, 16).double())
+    with pytest.raises(ValueError, match="2-D weight"):
+        native_kernels.NativeLinear(torch.randn(8, 16, 2).bfloat16())
+
+
+HALF = [dtype for dtype in (torch.bfloat16, torch.float16) if dtype in native_kernels.weight_dtypes()]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("out_features,in_features", [(1000, 384), (33, 7), (64, 1024)])
+def test_half_weight_linear_matches_float64_over_the_widened_weights(dtype, out_features, in_features):
+    """Half-precision weights are widened exactly: the result is within float32 summation error of the
+    float64 product over the widened weights, and bitwise the float32 kernel's over them."""
+    g = gen(out_features + 7)
+    weight = torch.randn(out_features, in_features, generator=g).to(dtype)
+    rows = torch.randn(40, in_features, generator=g)
+    linear = native_kernels.NativeLinear(weight)
+    assert linear.panels.dtype == dtype and linear.panels.numel() * 2 == linear.panels.nbytes  # held at half the bytes
+    got = linear(rows)
+    wide = weight.double()
+    reference = rows.double() @ wide.T
+    bound = 1e-4 * (rows.double().abs() @ wide.abs().T) + 1e-30  # in * 2^-24 of the sum of |terms| bounds the error
+    assert got.dtype == torch.float32 and ((got.double() - reference).abs() <= bound).all()
+    assert torch.equal(got, native_kernels.NativeLinear(weight.float())(rows))
+    # half-precision rows: widened exactly, the float32 result rounded to their dtype, like F.linear's
+    assert torch.equal(linear(rows.to(dtype)), native_kernels.NativeLinear(weight.float())(rows.to(dtype).float()).to(dtype))
+
+
+def order_free(shape: tuple[int, int], g: torch.Generator) -> torch.Tensor:
+    """Small integers over 16: every product a multiple of 2^-8 and every partial sum exact in float32,
+    so a result is the exact product whatever order it is summed in."""
+    return torch.randint(-8, 9, shape, generator=g).float() / 16
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("data", ["order-free", "random"])
+def test_half_weight_linear_gives_a_row_the_same_bits_alone_in_any_block_and_thread_split(dtype, data, monkeypatch):
+    """A row alone and at every place of blocks of 5, 9 and 17 rows, at 1, 2 and 3 threads (every call
+    split, whatever its size). Order-free data checks the structure against the exact product (a
+    wrong panel, tail or row offset shows); random data, that the fixed summation order holds."""
+    g = gen(11)
+    out_features, in_features = 300, 200  # several panels, the last one partial; 200: not a multiple of any width
+    make = order_free if data == "order-free" else (lambda shape, g: torch.randn(shape, generator=g))
+    weight = make((out_features, in_features), g).to(dtype)
+    rows = make((17, in_features), g)
+    linear = native_kernels.NativeLinear(weight)
+    monkeypatch.setattr(native_kernels, "PARALLEL_MACS", 0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([linear(rows[r:r + 1]) for r in range(17)])
+        if data == "order-free":
+            assert torch.equal(alone.double(), rows.double() @ weight.double().T)
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for size in (5, 9, 17):
+                for lo in range(0, 17 - size + 1, 4 if size < 17 else 1):
+                    assert torch.equal(linear(rows[lo:lo + size]), alone[lo:lo + size]), (threads, size, lo)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_avx2_build_compiles_and_gives_the_native_builds_bits(monkeypatch, tmp_path):
+    """The kernels built for Haswell (AVX2, FMA, F16C: 8-lane vectors) run on any machine here, and each
+    output is the same FMA chain whatever the vector width: bit for bit this machine's own build."""
+    g = gen(13)
+    weights = {dtype: torch.randn(70, 300, generator=g).to(dtype) for dtype in (torch.float32, *HALF)}
+    rows = torch.randn(11, 300, generator=g)
+    native = {dtype: native_kernels.NativeLinear(w)(rows) for dtype, w in weights.items()}
+    monkeypatch.setenv("SPECDEC_NATIVE_MARCH", "haswell")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    native_kernels.library.cache_clear()
+    try:
+        assert native_kernels.available() and native_kernels.library().specdec_panel_width() == 16  # 2 x 8 lanes
+        assert set(native_kernels.weight_dtypes()) >= set(weights)
+        for dtype, w in weights.items():
+            assert torch.equal(native_kernels.NativeLinear(w)(rows), native[dtype]), dtype
+    finally:
+        monkeypatch.undo()
+        native_kernels.library.cache_clear()
 
 
 def test_row_ops_match_pytorch_and_are_per_row():
@@ -204,3 +283,32 @@ def test_one_sequence_runs_a_c_call_per_layer_with_the_per_op_paths_bits(monkeyp
         assert torch.equal(a, b), start
     assert len(calls) == len(feeds) * len(fused.layers)
     assert torch.equal(caches[0].buf[:, :, :, :62], caches[1].buf[:, :, :, :62])
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_fused_layer_with_half_weights_gives_the_bits_of_float32_ones_widened(dtype):
+    """`decoder_layer` over bfloat16 (or float16) projections: the float32 layer's result over the widened
+    weights, bit for bit, for the rows and the keys and values they write."""
+    g = gen(17)
+    heads, kv, d, inter, hidden, n, start = 4, 2, 32, 96, 128, 3, 5
+    weights = [torch.randn(o, i, generator=g) / 8 for o, i in
+               (((heads + 2 * kv) * d, hidden), (hidden, heads * d), (2 * inter, hidden), (hidden, inter))]
+    ln1, ln2 = 1 + torch.randn(hidden, generator=g) / 10, 1 + torch.randn(hidden, generator=g) / 10
+    angles = torch.randn(n, d // 2, generator=g)
+    cos_sin = torch.stack([angles.cos(), angles.sin()], dim=-1).contiguous()
+    x0 = torch.randn(n, hidden, generator=g)
+    kv0 = torch.randn(2, kv, start + n, d, generator=g)
+    shape = (heads, kv, d, inter)
+    work = torch.empty(native_kernels.decoder_layer_work(n, hidden, shape, start))
+    results = []
+    for cast in (lambda w: w.to(dtype), lambda w: w.to(dtype).float()):
+        q, o, gu, down = (native_kernels.NativeLinear(cast(w)) for w in weights)
+        x, cache = x0.clone(), kv0.clone()
+        native_kernels.decoder_layer(x, (ln1, q, o, ln2, gu, down), shape, 1e-6, cos_sin, cache[0], cache[1], start, work)
+        results.append((x, cache))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert not torch.equal(results[0][0], x0)
+    mixed = (ln1, native_kernels.NativeLinear(weights[0].to(dtype)), *(native_kernels.NativeLinear(w) for w in weights[1:2]),
+             ln2, *(native_kernels.NativeLinear(w) for w in weights[2:]))
+    with pytest.raises(ValueError, match="one weight dtype"):
+        native_kernels.decoder_layer(x0.clone(), mixed, shape, 1e-6, cos_sin, kv0[0].clone(), kv0[1].clone(), start, work)

@@ -1,5 +1,5 @@
-/* specdec's float32 kernels, batch-invariant by construction: the linears (y = x @ W^T) and the
- * per-row ops of exact numerics (RMSNorm, SwiGLU, rotary, attention).
+/* specdec's kernels, batch-invariant by construction: the linears (y = x @ W^T, W in float32, bfloat16
+ * or float16) and the per-row ops of exact numerics (RMSNorm, SwiGLU, rotary, attention), in float32.
  *
  * Linears:
  *
@@ -11,6 +11,12 @@
  * one contiguous stream; a call walks row blocks of MC rows, and within each, panels, and within
  * each panel, micro-blocks of up to MR rows whose accumulators stay in registers. Built on the
  * machine that runs it (-march=native): AVX-512 or AVX2 with FMA, chosen by the compiler's macros.
+ *
+ * Half-precision weights (bfloat16, and float16 where the CPU has F16C) are held in the same panels
+ * at half the bytes and widened exactly to float32 in registers; activations and accumulators stay
+ * float32, so the FMA chain is the float32 kernel's over the widened weights, bit for bit. A
+ * bfloat16 panel row interleaves its two halves (element 2i: column i, 2i + 1: column i + LANES), so
+ * one load gives both: a 32-bit word shifted left 16 is column i, masked to its top half column i + LANES.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -27,6 +33,12 @@ typedef __m512 vf;
 #define VSET1(s) _mm512_set1_ps(s)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
+typedef __m512i vint;
+#define VLOADI(p) _mm512_loadu_si512(p)
+#define VSHL16(v) _mm512_castsi512_ps(_mm512_slli_epi32(v, 16))
+#define VTOP16(v) _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)))
+#define VLOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define HAVE_F16 1
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LANES 8
 #define MR 6
@@ -37,6 +49,14 @@ typedef __m256 vf;
 #define VSET1(s) _mm256_set1_ps(s)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
+typedef __m256i vint;
+#define VLOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VSHL16(v) _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))
+#define VTOP16(v) _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)))
+#if defined(__F16C__)
+#define VLOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define HAVE_F16 1
+#endif
 #else
 #error "specdec's native kernels need AVX2 with FMA or AVX-512"
 #endif
@@ -47,13 +67,41 @@ typedef __m256 vf;
 int specdec_panel_width(void) { return NR; }
 int specdec_rows_per_block(void) { return MR; }
 
+/* Weight types of the linears: what a panel's elements are. */
+enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
+#ifndef HAVE_F16
+#define HAVE_F16 0
+#endif
+/* Bit t set where weight type t runs here (float16 needs F16C). */
+int specdec_weight_types(void) { return 1 << W_F32 | 1 << W_BF16 | HAVE_F16 << W_F16; }
+
+/* Row kk of a panel (NR columns from element ``at``), widened exactly to float32: lo gets columns
+ * 0..LANES-1, hi columns LANES..NR-1. */
+static inline __attribute__((always_inline)) void panel_row(const void *panel, int64_t at, vf *lo, vf *hi, const int wt) {
+  if (wt == W_F32) {
+    *lo = VLOAD((const float *)panel + at);
+    *hi = VLOAD((const float *)panel + at + LANES);
+  } else if (wt == W_BF16) {
+    const vint both = VLOADI((const uint16_t *)panel + at); /* word i: column i low, column i + LANES high */
+    *lo = VSHL16(both);
+    *hi = VTOP16(both);
+  } else {
+#if HAVE_F16
+    *lo = VLOAD_F16((const uint16_t *)panel + at);
+    *hi = VLOAD_F16((const uint16_t *)panel + at + LANES);
+#else
+    *lo = *hi = VZERO(); /* not reached: specdec_weight_types() says float16 does not run here */
+#endif
+  }
+}
+
 /* np panels side by side for mr rows: few rows alone leave the FMA units waiting on each chain's
  * latency, so they take more columns at once (more independent chains, each element's unchanged). */
 #define NP(mr) ((ACC / (2 * (mr))) < 1 ? 1 : (ACC / (2 * (mr))) > 4 ? 4 : (ACC / (2 * (mr))))
 
-static inline __attribute__((always_inline)) void micro(const float *x, int64_t ldx, int64_t k, const float *panel,
+static inline __attribute__((always_inline)) void micro(const float *x, int64_t ldx, int64_t k, const void *panel,
                                                         int64_t pstride, float *y, int64_t ldy, int64_t cols,
-                                                        const int mr, const int np) {
+                                                        const int mr, const int np, const int wt) {
   vf acc[MR][4][2];
 #pragma GCC unroll 8
   for (int r = 0; r < mr; r++)
@@ -62,10 +110,7 @@ static inline __attribute__((always_inline)) void micro(const float *x, int64_t 
   for (int64_t kk = 0; kk < k; kk++) {
     vf w[4][2];
 #pragma GCC unroll 4
-    for (int j = 0; j < np; j++) {
-      w[j][0] = VLOAD(panel + j * pstride + kk * NR);
-      w[j][1] = VLOAD(panel + j * pstride + kk * NR + LANES);
-    }
+    for (int j = 0; j < np; j++) panel_row(panel, j * pstride + kk * NR, &w[j][0], &w[j][1], wt);
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) {
       const vf b = VSET1(x[r * ldx + kk]);
@@ -96,14 +141,15 @@ static inline __attribute__((always_inline)) void micro(const float *x, int64_t 
 #define CASE(m)                                                              \
   case m:                                                                    \
     if (np == NP(m))                                                         \
-      micro(x, ldx, k, panel, pstride, y, ldy, cols, m, NP(m));              \
+      micro(x, ldx, k, panel, pstride, y, ldy, cols, m, NP(m), wt);          \
     else                                                                     \
-      micro(x, ldx, k, panel, pstride, y, ldy, cols, m, 1);                  \
+      micro(x, ldx, k, panel, pstride, y, ldy, cols, m, 1, wt);              \
     break;
 
 /* mr rows against np panels (NP(mr), or 1); ``cols``: the width of the last of them. */
-static void block(const float *x, int64_t ldx, int64_t k, const float *panel, int64_t pstride, float *y,
-                  int64_t ldy, int64_t cols, int mr, int np) {
+static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx, int64_t k, const void *panel,
+                                                        int64_t pstride, float *y, int64_t ldy, int64_t cols, int mr,
+                                                        int np, const int wt) {
   switch (mr) {
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
 #if MR > 6
@@ -116,11 +162,12 @@ static void block(const float *x, int64_t ldx, int64_t k, const float *panel, in
  * the rows uses them (walking all panels per micro-block streams the whole matrix from memory each time). */
 #define GROUP 4
 
-/* Panels p0..p1 of y = x @ W^T: x [m, k] row-major, packed W as above, y [m, n] row-major. Calls on
- * disjoint panel ranges may run at once (each writes its own columns). */
-void specdec_gemm(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, float *y, int64_t p0,
-                  int64_t p1) {
-  const int64_t pstride = k * NR;
+/* Panels p0..p1 of y = x @ W^T: x [m, k] row-major, packed W of type ``wt`` as above, y [m, n]
+ * row-major. Calls on disjoint panel ranges may run at once (each writes its own columns). */
+static inline __attribute__((always_inline)) void gemm(const float *x, int64_t m, int64_t k, const void *packed,
+                                                       int64_t n, float *y, int64_t p0, int64_t p1, const int wt) {
+  const int64_t pstride = k * NR; /* elements */
+  const int64_t esize = wt == W_F32 ? 4 : 2;
   const int64_t group = m <= MR ? p1 - p0 : GROUP; /* one micro-block: nothing to reuse, widest np */
   for (int64_t i0 = 0; i0 < m; i0 += MC) {
     const int64_t rows = m - i0 < MC ? m - i0 : MC;
@@ -132,12 +179,20 @@ void specdec_gemm(const float *x, int64_t m, int64_t k, const float *packed, int
         for (int64_t p = g; p < g1;) {
           const int take = p + np <= g1 ? np : 1;
           const int64_t c0 = (p + take - 1) * NR, cols = n - c0 < NR ? n - c0 : NR;
-          block(x + (i0 + i) * k, k, k, packed + p * pstride, pstride, y + (i0 + i) * n + p * NR, n, cols, mr, take);
+          block(x + (i0 + i) * k, k, k, (const char *)packed + p * pstride * esize, pstride, y + (i0 + i) * n + p * NR, n,
+                cols, mr, take, wt);
           p += take;
         }
       }
     }
   }
+}
+
+#define GEMM_ARGS const float *x, int64_t m, int64_t k, const void *packed, int64_t n, float *y, int64_t p0, int64_t p1
+void specdec_gemm(GEMM_ARGS) { gemm(x, m, k, packed, n, y, p0, p1, W_F32); }
+void specdec_gemm_bf16(GEMM_ARGS) { gemm(x, m, k, packed, n, y, p0, p1, W_BF16); }
+void specdec_gemm_f16(GEMM_ARGS) {
+  if (HAVE_F16) gemm(x, m, k, packed, n, y, p0, p1, W_F16);
 }
 
 /* ---------------------------------------------------------------- per-row ops of exact numerics
@@ -355,22 +410,34 @@ static inline __attribute__((always_inline)) void attention(
 void specdec_attention(ATTENTION_ARGS) { ATTENTION_CALL(0); }
 void specdec_attention_bf16(ATTENTION_ARGS) { ATTENTION_CALL(1); }
 
+/* y = x @ W^T over every panel for weight type ``wt`` */
+static void gemm_of(int wt, GEMM_ARGS) {
+  if (wt == W_BF16)
+    specdec_gemm_bf16(x, m, k, packed, n, y, p0, p1);
+  else if (wt == W_F16)
+    specdec_gemm_f16(x, m, k, packed, n, y, p0, p1);
+  else
+    specdec_gemm(x, m, k, packed, n, y, p0, p1);
+}
+
 /* ---------------------------------------------------------------- one decoder layer, one sequence
  * The exact path's layer for one sequence's rows in one call: the same kernels, in the same order, as
  * the per-op path (core/llama_decode.py `layers_with`), so a row's bits are the same either way; what
  * it saves is the Python between them. x [n, hidden] is updated in place; row r sits at position
  * start + r and sees positions 0..start + r of the layer's keys/values (``pos_stride`` apart, KV head
- * g at g * head_stride), where its own key and value are written first. ``work``: at least
+ * g at g * head_stride), where its own key and value are written first; the four projections' panels
+ * are of weight type ``wt``, keys and values float32. ``work``: at least
  * n * (2 * hidden + qkv_out + (heads + kv) * d + heads * d + 3 * inter) + start + n + LANES floats. */
 void specdec_decoder_layer(float *x, int64_t n, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d,
-                           int64_t inter, const float *ln1, const float *ln2, float eps, const float *qkv_w,
-                           const float *o_w, const float *gu_w, const float *down_w, const float *cos_sin, float *keys,
-                           float *values, int64_t head_stride, int64_t pos_stride, int64_t start, float scale, float *work) {
+                           int64_t inter, const float *ln1, const float *ln2, float eps, const void *qkv_w,
+                           const void *o_w, const void *gu_w, const void *down_w, const float *cos_sin, float *keys,
+                           float *values, int64_t head_stride, int64_t pos_stride, int64_t start, float scale, float *work,
+                           int wt) {
   const int64_t qkv_out = (heads + 2 * kv_heads) * d, qk_width = (heads + kv_heads) * d;
   float *normed = work, *qkv = normed + n * hidden, *qk = qkv + n * qkv_out, *att = qk + n * qk_width;
   float *tmp = att + n * heads * d, *gu = tmp + n * hidden, *act = gu + n * 2 * inter, *scratch = act + n * inter;
   specdec_rms_norm(x, n, hidden, hidden, ln1, eps, normed);
-  specdec_gemm(normed, n, hidden, qkv_w, qkv_out, qkv, 0, (qkv_out + NR - 1) / NR);
+  gemm_of(wt, normed, n, hidden, qkv_w, qkv_out, qkv, 0, (qkv_out + NR - 1) / NR);
   specdec_rotary(qkv, n, qkv_out, heads + kv_heads, d, cos_sin, qk);
   for (int64_t r = 0; r < n; r++)
     for (int64_t g = 0; g < kv_heads; g++) {
@@ -382,11 +449,11 @@ void specdec_decoder_layer(float *x, int64_t n, int64_t hidden, int64_t heads, i
   for (int64_t r = 0; r < n; r++) slot[r] = 0, limit[r] = start + r + 1;
   specdec_attention(qk, n, qk_width, heads, kv_heads, d, keys, values, slot, 0, head_stride, pos_stride, limit, 0, 0,
                     scale, att, scratch);
-  specdec_gemm(att, n, heads * d, o_w, hidden, tmp, 0, (hidden + NR - 1) / NR);
+  gemm_of(wt, att, n, heads * d, o_w, hidden, tmp, 0, (hidden + NR - 1) / NR);
   for (int64_t i = 0; i < n * hidden; i++) x[i] += tmp[i];
   specdec_rms_norm(x, n, hidden, hidden, ln2, eps, normed);
-  specdec_gemm(normed, n, hidden, gu_w, 2 * inter, gu, 0, (2 * inter + NR - 1) / NR);
+  gemm_of(wt, normed, n, hidden, gu_w, 2 * inter, gu, 0, (2 * inter + NR - 1) / NR);
   specdec_swiglu(gu, n, 2 * inter, inter, act);
-  specdec_gemm(act, n, inter, down_w, hidden, tmp, 0, (hidden + NR - 1) / NR);
+  gemm_of(wt, act, n, inter, down_w, hidden, tmp, 0, (hidden + NR - 1) / NR);
   for (int64_t i = 0; i < n * hidden; i++) x[i] += tmp[i];
 }
