@@ -198,10 +198,17 @@ def _rows_of(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
     return x
 
 
+def _float32_vector(w: torch.Tensor, size: int, what: str) -> None:
+    """A norm's weight as the kernel reads it: ``size`` contiguous float32 values (a bfloat16 one would be misread)."""
+    if w.dtype != torch.float32 or w.shape != (size,) or not w.is_contiguous():
+        raise ValueError(f"{what} takes a contiguous float32 norm weight [{size}]; got {w.dtype} {tuple(w.shape)}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Each row of ``x`` [n, hidden] over its root mean square, times ``weight``: [n, hidden]."""
     n, hidden = x.shape
     _rows_of(x, hidden, "rms_norm")
+    _float32_vector(weight, hidden, "rms_norm")
     y = torch.empty(n, hidden)
     library().specdec_rms_norm(x.data_ptr(), n, x.stride(0), hidden, weight.data_ptr(), ctypes.c_float(eps), y.data_ptr())
     return y
@@ -268,6 +275,8 @@ def decoder_layer(x: torch.Tensor, layer: tuple, shape: tuple[int, int, int, int
     if len({f.dtype for f in projections}) != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32:
         raise ValueError(f"decoder_layer takes projections of one weight dtype and float32 keys and values; got "
                          f"{[f.dtype for f in projections]}, {keys.dtype} and {values.dtype}")
+    for norm in (ln1, ln2):
+        _float32_vector(norm, hidden, "decoder_layer")
     library().specdec_decoder_layer(
         x.data_ptr(), n, hidden, heads, kv, d, inter, ln1.data_ptr(), ln2.data_ptr(), ctypes.c_float(eps),
         qkv.panels.data_ptr(), o.panels.data_ptr(), gate_up.panels.data_ptr(), down.panels.data_ptr(), cos_sin.data_ptr(),

@@ -146,6 +146,8 @@ def test_row_ops_match_pytorch_and_are_per_row():
     norm = native_kernels.rms_norm(x, w, 1e-6)
     assert torch.allclose(norm, F.rms_norm(x, (384,), w, 1e-6), atol=1e-5, rtol=1e-5)
     assert torch.equal(native_kernels.rms_norm(x[4:5], w, 1e-6), norm[4:5])
+    with pytest.raises(ValueError, match="float32 norm weight"):  # the C kernel would misread a bfloat16 one
+        native_kernels.rms_norm(x, w.bfloat16(), 1e-6)
     gate_up = 6 * torch.randn(9, 2 * 200, generator=g)  # 200: a tail past the vector width
     gate, up = gate_up.chunk(2, dim=-1)
     h = native_kernels.swiglu(gate_up)
@@ -312,3 +314,6 @@ def test_a_fused_layer_with_half_weights_gives_the_bits_of_float32_ones_widened(
              ln2, *(native_kernels.NativeLinear(w) for w in weights[2:]))
     with pytest.raises(ValueError, match="one weight dtype"):
         native_kernels.decoder_layer(x0.clone(), mixed, shape, 1e-6, cos_sin, kv0[0].clone(), kv0[1].clone(), start, work)
+    with pytest.raises(ValueError, match="float32 norm weight"):
+        native_kernels.decoder_layer(x0.clone(), (ln1.to(dtype), q, o, ln2, gu, down), shape, 1e-6, cos_sin,
+                                     kv0[0].clone(), kv0[1].clone(), start, work)
