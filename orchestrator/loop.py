@@ -292,14 +292,12 @@ class Orchestrator:
         steps = self.verifier.run(run)
         try:
             async for step in steps:
-                remaining = request.max_new_tokens - generated
                 drafted = step.num_draft_tokens
                 counters = counters.plus(SpecCounters(int(drafted > 0), drafted, step.num_accepted, 1, int(step.predrafted),
                                                       step.verify_time_ns, step.draft_wait_ns))
-                tokens, finish, text = self._emit(step.token_ids, remaining, detok)
+                tokens, text = self._emit(step.token_ids, detok)
                 generated += len(tokens)
-                if finish is None and step.finished:
-                    finish = FinishReason.CONTEXT_FULL  # the verifier ended it for want of room
+                finish = self._finish(tokens, generated, request, detok, step.finished)
                 # Nothing lost: the committed tokens are in the store before the client sees them.
                 await self._commit(spec.session_id, tokens, counters, drafted, holder, generated - len(tokens))
                 if finish is not None:
@@ -334,20 +332,29 @@ class Orchestrator:
                 await asyncio.sleep(wait)
                 wait = min(0.5, wait * 2)
 
-    def _emit(self, token_ids: tuple[int, ...], remaining: int, detok: Detokenizer) -> tuple[tuple[int, ...], FinishReason | None, str]:
-        """Cut a step's tokens at max_new_tokens, end-of-sequence or a stop string."""
+    @staticmethod
+    def _emit(token_ids: tuple[int, ...], detok: Detokenizer) -> tuple[tuple[int, ...], str]:
+        """A step's tokens and text, up to a stop string. The verifier's scheduler has already cut
+        them at max_new_tokens and the stop tokens (the one place those limits are applied)."""
         tokens: list[int] = []
         text = ""
-        finish = None
-        for tok in token_ids[:remaining]:
+        for tok in token_ids:
             tokens.append(tok)
             text += detok.add([tok])
-            if tok == self.target.eos_token_id or detok.stopped:
-                finish = FinishReason.STOP
+            if detok.stopped:
                 break
-        if finish is None and len(token_ids) >= remaining:
-            finish = FinishReason.LENGTH
-        return tuple(tokens), finish, text
+        return tuple(tokens), text
+
+    def _finish(self, tokens: tuple[int, ...], generated: int, request: GenerationRequest, detok: Detokenizer,
+                verifier_finished: bool) -> FinishReason | None:
+        """How the stream ends after this step, or None while it goes on."""
+        if detok.stopped:
+            return FinishReason.STOP
+        if not verifier_finished:
+            return None
+        if tokens and tokens[-1] == self.target.eos_token_id:
+            return FinishReason.STOP
+        return FinishReason.LENGTH if generated >= request.max_new_tokens else FinishReason.CONTEXT_FULL
 
 
 async def collect(chunks: AsyncIterator[Chunk]) -> tuple[Chunk, tuple[int, ...], str]:
