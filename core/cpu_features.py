@@ -50,8 +50,10 @@ def describe_cpu() -> str:
     return f"{name}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, bf16 flags: {', '.join(have)}"
 
 
-def check_dtype_supported(dtype: torch.dtype, what: str = "the model") -> None:
-    """Refuse bfloat16 on a CPU without native bf16, saying which flag is missing and what the CPU has."""
-    if dtype == torch.bfloat16 and not native_bf16():
-        raise ValueError(f"bfloat16 for {what} needs a CPU with native bf16 (cpuinfo flag {' or '.join(BF16_FLAGS)}); "
+def check_dtype_supported(dtype: torch.dtype, what: str = "the model", kernel_dtypes: tuple[torch.dtype, ...] = ()) -> None:
+    """Refuse bfloat16 on a CPU without native bf16 where specdec's C kernels (whose weight dtypes are
+    ``kernel_dtypes``) cannot read bf16 weights either, saying which flag is missing and what the CPU has."""
+    if dtype == torch.bfloat16 and not native_bf16() and dtype not in kernel_dtypes:
+        raise ValueError(f"bfloat16 for {what} needs a CPU with native bf16 (cpuinfo flag {' or '.join(BF16_FLAGS)}) "
+                         "or specdec's native kernels (a C compiler and AVX2 with FMA); "
                          f"this one has neither ({describe_cpu()}): use float32")

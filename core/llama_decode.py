@@ -144,8 +144,20 @@ MIN_TIMED_REPS, TIMING_BUDGET_S = 3, 0.05  # a weight whose calls take longer ti
 
 
 def native_usable(dtype: torch.dtype) -> bool:
-    """Whether specdec's own kernel (core/native_kernels.py) can run this dtype's linears here."""
-    return dtype == torch.float32 and native_kernels.available()
+    """Whether specdec's own kernel (core/native_kernels.py) can run weights of this dtype here."""
+    return native_kernels.available() and dtype in native_kernels.weight_dtypes()
+
+
+def bfloat16_supported() -> bool:
+    """Whether a bfloat16 decoder runs here: a bf16 dot in the CPU, or specdec's kernels to read bf16 weights."""
+    return native_bf16() or native_usable(torch.bfloat16)
+
+
+def half_weights_here(dtype: torch.dtype, numerics: str) -> bool:
+    """Whether a ``dtype`` (bfloat16) decoder holds half-precision weights in specdec's C kernels,
+    widened exactly in registers, with float32 activations, norms and KV: where the CPU has no
+    bf16 dot (any AVX2 CPU), and in exact numerics everywhere (one kernel, every row's bits its own)."""
+    return dtype == torch.bfloat16 and native_usable(dtype) and (numerics == "exact" or not native_bf16())
 
 
 def native_attention_usable(dtype: torch.dtype) -> bool:
@@ -209,11 +221,13 @@ def fastest(times: dict[str, list[float]], default: str = "packed") -> str:
 class LlamaDecoder:
     """Weights shared by every sequence of one model. ``pack_rows``: rows per call to pack for (None: no packing).
 
-    ``dtype``: float32 (the default; the verifier's distribution) or bfloat16, where weights, activations
-    and the KV cache are bf16 (rotary and the returned logits stay fp32). bf16 halves the bytes each
-    step reads, which bounds a step once a model is past a few million parameters; it is only offered
-    where the CPU runs bf16 natively, and it changes the numbers, so it suits the drafter (proposals never change what
-    the verifier accepts) and a target only when that target is then always run in bf16.
+    ``dtype``: float32 (the default; the verifier's distribution) or bfloat16. bf16 halves the bytes each
+    step reads, which bounds a step once a model is past a few million parameters. Where the CPU has
+    no bf16 dot, and in exact numerics, the weights (embeddings included) are held in bf16 in
+    specdec's C kernels and widened exactly in registers, while activations, norms and the KV cache
+    stay float32 (``half_weights``); elsewhere weights, activations and the KV cache are bf16 (rotary
+    and the returned logits stay fp32). Either changes the numbers, so it suits the drafter (proposals
+    never change what the verifier accepts) and a target only when that target is then always run so.
 
     ``numerics``: "fast" (kernels timed at load, SDPA: a row's logits move in the last bits with the
     rows beside it) or "exact" (core/exact_ops.py: a row's logits are bitwise the same alone, as row j
@@ -248,10 +262,12 @@ class LlamaDecoder:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {numerics!r}")
         if layouts_per_weight not in (1, 2):
             raise ValueError(f"layouts_per_weight must be 1 or 2; got {layouts_per_weight!r}")
-        if dtype == torch.bfloat16 and not native_bf16():
-            raise ValueError("bfloat16 decoding needs a CPU with native bf16 (cpuinfo flag avx512_bf16 or amx_bf16); "
-                             f"this one has neither ({describe_cpu()})")
-        self.dtype = dtype
+        self.half_weights = half_weights_here(dtype, numerics)
+        if dtype == torch.bfloat16 and not native_bf16() and not self.half_weights:
+            raise ValueError("bfloat16 decoding needs a CPU with native bf16 (cpuinfo flag avx512_bf16 or amx_bf16) or "
+                             f"specdec's native kernels, which did not build here ({describe_cpu()})")
+        self.weight_dtype = dtype  # the linears' weights
+        self.dtype = torch.float32 if self.half_weights else dtype  # activations, norms, the KV cache
         self.pack_rows = pack_rows
         self.numerics = numerics
         self.exact = numerics == "exact"
@@ -273,11 +289,11 @@ class LlamaDecoder:
         self._packs: dict[tuple[int, int], bool] = {}  # per weight shape: whether oneDNN packing agreed with F.linear
         keep = (base.embed_tokens.weight,)  # shared with this decoder (same dtype); model.device and fingerprints read it
         with torch.no_grad():
-            self.embed = self._cast(base.embed_tokens.weight)
+            self.embed = self._cast(base.embed_tokens.weight.to(self.weight_dtype))  # (half weights: rounded as the head is)
             self.final_norm = self._cast(base.norm.weight)
             layers = list(base.layers)
-            if self.exact:  # one kernel, never timed
-                self.kernels = (("native", "native") if native_usable(dtype) else
+            if self.exact or self.half_weights:  # one kernel, never timed
+                self.kernels = (("native", "native") if native_usable(self.weight_dtype) else
                                 ("packed", "packed") if self._packing_works() else ("plain", "plain"))
             else:
                 self.kernels = self._choose_kernels(model, single_row, multi_row, one_layout=layouts_per_weight == 1)
@@ -285,7 +301,7 @@ class LlamaDecoder:
             self.native_ops = self.exact and self.kernels == ("native", "native")
             # attention in C whenever exact and built: bf16 too (oneDNN's and MKL's batched GEMMs are not
             # shape-invariant on every CPU: AVX-512 and AMX machines give a row other bits beside others)
-            self.native_attention = self.exact and native_attention_usable(dtype)
+            self.native_attention = self.exact and native_attention_usable(self.dtype)
             # the model's copy of each weight goes as soon as this decoder's arrives
             release = WeightRelease(model, keep) if own_weights else (lambda *modules: None)
 
@@ -294,7 +310,7 @@ class LlamaDecoder:
             self.layers = [self._layer(layer, release) for layer in layers]
             self.rotary = llama_model.rotary_table(model, d, self.context_length)  # [context, 1, d/2] complex64
         pool = exact_ops.ExactSlotPool if self.exact else SlotPool
-        self.pool = pool(len(self.layers), self.n_kv, self.capacity_limit, self.head_dim, dtype)
+        self.pool = pool(len(self.layers), self.n_kv, self.capacity_limit, self.head_dim, self.dtype)
         self.exact_plan: exact_ops.ExactPlan | None = None
         if self.exact:
             self.exact_plan = self._verify_exact(probe_threads)
@@ -339,7 +355,7 @@ class LlamaDecoder:
     def _linear(self, weight: torch.Tensor, kernels: tuple[str, str] | None = None) -> Linear:
         """``weight`` [out, in] held only in the layouts of ``kernels`` (default: the decoder's choice),
         the packed one built without keeping the plain copy when only it runs; every layout with None."""
-        weight = self._cast(weight)
+        weight = weight.detach().to(self.weight_dtype).contiguous()
         one, many = kernels or self.kernels
         if (one, many) == ("plain", "plain"):
             return _PlainLinear(weight)
@@ -361,7 +377,7 @@ class LlamaDecoder:
     def _exact_linear(self, weight: torch.Tensor) -> Linear:
         """The kernel exact mode runs ``weight`` [out, in] (this decoder's dtype) with: what `verify` checks."""
         if self.kernels == ("native", "native"):
-            return native_kernels.NativeLinear(weight)
+            return native_kernels.NativeLinear(weight.to(self.weight_dtype).contiguous())
         packed = _onednn_linear(weight, self.pack_rows) if self.pack_rows else None
         if packed is None:
             return _PlainLinear(weight)
@@ -375,7 +391,7 @@ class LlamaDecoder:
         one_per_shape = list({f.shape: f for f in linears}.values())
         threads = probe_threads or tuple(sorted({1, 2, torch.get_num_threads(), _available_cores()}))
         shapes = tuple(f.shape for f in one_per_shape)
-        key = (self.dtype, shapes, self.n_heads, self.n_kv, self.head_dim, self.hidden, self.intermediate,
+        key = (self.dtype, self.weight_dtype, shapes, self.n_heads, self.n_kv, self.head_dim, self.hidden, self.intermediate,
                self.pack_rows, threads, type(one_per_shape[0]).__name__)
         plan = exact_ops.verified_plan(key, lambda: exact_ops.verify(self, shapes, self._exact_linear, threads))
         if plan.linear_mode != "flat":

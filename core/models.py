@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from specdec.core.cpu_features import check_dtype_supported
+from specdec.core.native_kernels import weight_dtypes
 from specdec.core.errors import ModelMismatch, ModelNotFound, UnsupportedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what a model may run in on the CPU path
@@ -60,7 +61,7 @@ def load_causal_lm(path: str | Path, dtype: str | torch.dtype = torch.float32, t
     dtype = resolve_dtype(dtype)
     device = torch.device(device)
     if device.type == "cpu":
-        check_dtype_supported(dtype, f"model {folder}")  # before minutes of loading
+        check_dtype_supported(dtype, f"model {folder}", weight_dtypes())  # before minutes of loading
     if not (folder / "config.json").is_file():
         raise ModelNotFound(f"no model at {folder}: expected a folder saved with save_pretrained (config.json, *.safetensors, tokenizer files)")
     if threads:

@@ -69,7 +69,7 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
                             "sees a CUDA device, else cpu)")
         p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                        help="target model precision (default auto: bfloat16 on CUDA, float32 on the CPU; "
-                            "bfloat16 on the CPU needs native bf16)")
+                            "bfloat16 on the CPU: weights in bf16, widened in specdec's C kernels where the CPU has no bf16 dot)")
         p.add_argument("--runner", choices=RUNNER_CHOICES, default="auto",
                        help="the target's model runner: lean (specdec's CPU forward), paged (paged KV cache), hf "
                             "(the transformers forward, as --reference-forward); default auto: paged on CUDA; on the CPU lean for a "
@@ -91,7 +91,7 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
                             "--dtype) for the draft's when --draft-device (--draft-dtype) is not given")
         p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None,
                        help="draft model precision (default auto: bfloat16 on CUDA, float32 on the CPU; bfloat16 on "
-                            "the CPU needs native bf16)")
+                            "the CPU: weights in bf16, widened in specdec's C kernels where the CPU has no bf16 dot)")
         p.add_argument("--eagle-head", default=None, metavar="PATH",
                        help="an EAGLE head trained on the target, for --drafter eagle (default $SPECDEC_EAGLE_HEAD, "
                             "or models/demo/eagle with the demo target)")

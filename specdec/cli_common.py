@@ -195,10 +195,14 @@ def resolve_dtype_for(device: str, arg: str | None, flag: str = "--dtype") -> st
     if dtype == "auto":
         return "float32" if on_cpu else "bfloat16"
     if dtype == "bfloat16" and on_cpu:
-        from specdec.core.cpu_features import describe_cpu, native_bf16
+        import torch
 
-        if not native_bf16():
-            raise UsageError(f"{flag} bfloat16 needs a CPU with native bf16 (avx512_bf16 or amx_bf16); "
+        from specdec.core.cpu_features import describe_cpu, native_bf16
+        from specdec.core.native_kernels import weight_dtypes
+
+        if not native_bf16() and torch.bfloat16 not in weight_dtypes():
+            raise UsageError(f"{flag} bfloat16 needs a CPU with native bf16 (avx512_bf16 or amx_bf16) or specdec's "
+                             "native kernels (a C compiler and AVX2 with FMA); "
                              f"this one has neither ({describe_cpu()}): use {flag} float32")
     return dtype
 

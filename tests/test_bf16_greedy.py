@@ -24,7 +24,8 @@ import pytest_asyncio
 
 from specdec import roles
 from specdec.client import ResumingClient
-from specdec.core.cpu_features import describe_cpu, native_bf16
+from specdec.core.cpu_features import describe_cpu
+from specdec.core.llama_decode import bfloat16_supported
 from specdec.core.speculation import SpeculationMode, SpeculationPolicy
 from specdec.draft.drafters import REGISTRY, DraftConfig
 from specdec.orchestrator.loop import collect
@@ -37,7 +38,7 @@ from redis_server import delete_prefix
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 pytestmark = [
-    pytest.mark.skipif(not native_bf16(), reason=f"a bfloat16 target needs a CPU with native bf16 (avx512_bf16 or amx_bf16); "
+    pytest.mark.skipif(not bfloat16_supported(), reason=f"a bfloat16 target needs a CPU with native bf16 (avx512_bf16 or amx_bf16) or specdec's kernels; "
                                                  f"this one has neither ({describe_cpu()})"),
     pytest.mark.skipif(not (DEMO / "target" / "config.json").is_file(), reason="demo pair not built (scripts/train_demo_pair.py)"),
 ]

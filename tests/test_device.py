@@ -234,7 +234,10 @@ def test_cuda_asked_where_none_is_visible_says_what_torch_sees(no_cuda):
 def test_bfloat16_on_a_cpu_without_native_bf16_keeps_its_error(monkeypatch):
     from specdec.core import cpu_features
 
+    from specdec.core import native_kernels
+
     monkeypatch.setattr(cpu_features, "native_bf16", lambda: False)
+    monkeypatch.setattr(native_kernels, "weight_dtypes", lambda: ())  # (with them, bf16 weights run in C: tests/test_half_weights.py)
     with pytest.raises(UsageError, match="--draft-dtype bfloat16 needs a CPU with native bf16"):
         resolve_dtype_for("cpu", "bfloat16", "--draft-dtype")
     assert resolve_dtype_for("cuda", "bfloat16") == "bfloat16"  # not the CPU's business
@@ -324,10 +327,11 @@ def without_accelerate(monkeypatch):
 
 
 def test_models_load_onto_the_device_asked_for(tiny_pair, monkeypatch, without_accelerate):
-    from specdec.core import cpu_features
+    from specdec.core import cpu_features, models
     from specdec.core.models import load_causal_lm
 
     monkeypatch.setattr(cpu_features, "native_bf16", lambda: False)
+    monkeypatch.setattr(models, "weight_dtypes", lambda: ())
     # Off the CPU the CPU's bf16 check does not apply; meta stands in for a GPU here.
     loaded = load_causal_lm(tiny_pair[1], "bfloat16", device="meta")
     assert {p.device.type for p in loaded.model.parameters()} == {"meta"}

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from specdec.core import cpu_features, exact_ops, llama_decode
-from specdec.core.cpu_features import describe_cpu, native_bf16
-from specdec.core.llama_decode import KERNELS, MULTI_ROW_KERNELS, LlamaDecoder, native_usable
+from specdec.core.cpu_features import describe_cpu
+from specdec.core.llama_decode import KERNELS, MULTI_ROW_KERNELS, LlamaDecoder, bfloat16_supported, native_usable
 from specdec.core.models import load_causal_lm
 from test_branch_decode import VOCAB, tiny_llama
 
 DTYPES = [
     pytest.param(torch.float32, id="fp32"),
     pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(
-        not native_bf16(), reason=f"bf16 is offered only on CPUs with native bf16 (avx512_bf16/amx_bf16); this one: {describe_cpu()}")),
+        not bfloat16_supported(), reason=f"bf16 needs native bf16 (avx512_bf16/amx_bf16) or specdec's kernels; this one: {describe_cpu()}")),
 ]
 THREADS = [1, 2]
 _decoders: dict = {}
@@ -105,7 +105,7 @@ def poison(pool: exact_ops.ExactSlotPool, caches: list, lengths: list[int]) -> N
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_slabs_with_holes_and_a_private_cache_still_give_each_row_its_own_bits(kv_heads, dtype):
     dec = LlamaDecoder(tiny_llama(kv_heads, seed=60 + kv_heads), dtype=dtype, numerics="exact")
-    dec.pool = exact_ops.ExactSlotPool(len(dec.layers), dec.n_kv, dec.capacity_limit, dec.head_dim, dtype, slab_slots=4)
+    dec.pool = exact_ops.ExactSlotPool(len(dec.layers), dec.n_kv, dec.capacity_limit, dec.head_dim, dec.dtype, slab_slots=4)
     rnd = random.Random(7)
     prefixes = [[rnd.randrange(VOCAB) for _ in range(rnd.randint(2, 60))] for _ in range(11)]  # 3 slabs of 4
     caches = [dec.new_cache() for _ in prefixes]
@@ -199,8 +199,12 @@ def test_the_default_is_exact_and_falls_back_to_fast_only_where_the_cpu_cannot_h
 
 
 def test_bfloat16_is_refused_on_a_cpu_without_native_bf16(tiny_pair, monkeypatch):
+    from specdec.core import models, native_kernels
+
     monkeypatch.setattr(cpu_features, "native_bf16", lambda: False)
     monkeypatch.setattr(llama_decode, "native_bf16", lambda: False)
+    monkeypatch.setattr(native_kernels, "weight_dtypes", lambda: ())  # (with them: tests/test_half_weights.py)
+    monkeypatch.setattr(models, "weight_dtypes", lambda: ())
     with pytest.raises(ValueError, match="avx512_bf16 or amx_bf16"):
         load_causal_lm(tiny_pair[0], dtype="bfloat16")
     with pytest.raises(ValueError, match="avx512_bf16 or amx_bf16"):
@@ -209,12 +213,12 @@ def test_bfloat16_is_refused_on_a_cpu_without_native_bf16(tiny_pair, monkeypatch
         load_causal_lm(tiny_pair[0], dtype="float16")
 
 
-@pytest.mark.skipif(not native_bf16(), reason=f"no native bf16 on this CPU ({describe_cpu()})")
+@pytest.mark.skipif(not bfloat16_supported(), reason=f"neither native bf16 nor specdec's kernels on this CPU ({describe_cpu()})")
 def test_the_target_loads_and_verifies_in_bfloat16_with_exact_numerics(tiny_pair):
     from specdec.target.engine import TargetConfig, VerifierEngine
 
     engine = VerifierEngine.from_config(TargetConfig(tiny_pair[0], dtype="bfloat16", numerics="exact"))
     assert next(engine.loaded.model.parameters()).dtype == torch.bfloat16
-    assert engine.decoder.dtype == torch.bfloat16 and engine.decoder.exact
+    assert engine.decoder.weight_dtype == torch.bfloat16 and engine.decoder.exact
     with pytest.raises(ValueError, match="the lean or the paged runner"):
         VerifierEngine(engine.loaded, TargetConfig(tiny_pair[0], fast_forward=False, numerics="exact"))

@@ -49,7 +49,7 @@ class DraftConfig:
     eagle_draft_vocab: bool = True  # score only the head's draft vocabulary (draft_vocab.json beside it) when it has one
     proposal_top_k: int = 32  # a model drafter samples from, and sends, its top-K renormalised distribution
     fast_draft_forward: bool = True  # lean Llama decode path (specdec.core.llama_decode) when supported
-    draft_dtype: str = "float32"  # lean path's precision: float32 | bfloat16 (CPUs with native bf16 only)
+    draft_dtype: str = "float32"  # lean path's precision: float32 | bfloat16 (docs/operations.md: which compute runs where)
     draft_device: str = "cpu"  # where the draft model runs: cpu | cuda | cuda:N (the CLI resolves auto)
     # A model drafter ends a block after a token it gives less probability than this (0: every
     # block is as long as the verifier asked): k becomes an upper bound, and a long k costs little.

@@ -52,7 +52,7 @@ class TargetConfig:
     # Layouts the lean forward keeps of each weight: 1 (each weight held once; single-row calls may run
     # a slower kernel for it) or 2 (the fastest kernel for one row and for more rows: twice the memory).
     weight_layouts: int = 1
-    # The target's precision (weights, activations, KV cache): float32 | bfloat16 (CPUs with native bf16 only).
+    # The target's precision: float32 | bfloat16 (docs/operations.md says which compute runs where).
     dtype: str = "float32"
     # Where the target's weights, KV cache and logits live: cpu | cuda | cuda:N (the CLI resolves auto).
     device: str = "cpu"
@@ -184,6 +184,8 @@ class VerifierEngine:
             shape = (len(self.decoder.layers), self.decoder.n_kv, self.decoder.head_dim, self.decoder.dtype) if self.decoder \
                 else (self.paged.layer_count, self.paged.n_kv, self.paged.head_dim, self.paged.dtype)
             numerics = self.numerics if kind == "lean" or self.numerics == "fast" else f"{self.numerics}-paged"
+            if self.decoder is not None and self.decoder.half_weights:  # float32 keys of bf16 weights: their own bits
+                numerics += "-bf16-weights"
             fingerprint = model_fingerprint(loaded.model, shape[3], numerics)
             self.layout = BlockLayout(*shape, config.kv_block_tokens, fingerprint)
 
