@@ -6,6 +6,7 @@ open, and no other session changed. The field-by-field tables are in test_bad_in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import threading
@@ -103,7 +104,8 @@ async def test_what_an_error_echoes_back_is_bounded(cluster):
 async def test_a_store_that_is_down_is_unavailable_with_what_to_do(cluster):
     live = cluster.orchestrator
     dead = RedisSessionStore.from_url("redis://127.0.0.1:1/0")  # nothing listens on port 1
-    orch = Orchestrator(live.target, live.verifier, dead, live.config, live.drafter_address)
+    # (a short retry budget: how long a stream waits for a store is tests/test_store_retry.py's)
+    orch = Orchestrator(live.target, live.verifier, dead, dataclasses.replace(live.config, store_retry_s=0.5), live.drafter_address)
     server = await start_server(ServerConfig("127.0.0.1", 0), register(orch), ["specdec.v1.Generation"])
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
