@@ -77,13 +77,17 @@ class StepTiming:
 
 class _Ema:
     def __init__(self, rate: float) -> None:
-        self.rate, self.value = rate, None
+        self.rate, self.value, self.count = rate, None, 0
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else (1 - self.rate) * self.value + self.rate * x
+        self.count += 1
 
     def get(self, default: float) -> float:
         return default if self.value is None else self.value
+
+
+SEEN_ENOUGH = 3  # verifications at one k before its own mean prices it (one slow step is not its cost)
 
 
 class StepCostModel:
@@ -93,6 +97,10 @@ class StepCostModel:
         # Verify seconds against k (does a draft token make the forward longer, and by how much?);
         # fitted more slowly than a mean, because a slope needs more steps.
         self.verify = _LineFit(rate / 4)
+        # ...and each k's own mean once seen: a forward's cost is not a line in its rows (a kernel
+        # blocks rows by the register tile, so a block past the tile costs a second pass).
+        self.verify_by_k: dict[int, _Ema] = {}
+        self._verify_rate = rate
         self.draft_per_token = _Ema(rate)  # a block's drafting time over its tokens (what the batch's load cap uses)
         # A block's drafting time against k: a block's first token also feeds the tokens the last
         # step committed (a cost per block, not per token), so at k = 1 the time per token is well
@@ -106,6 +114,7 @@ class StepCostModel:
     def observe(self, k: int, timing: StepTiming) -> None:
         self.steps += 1
         self.verify.add(k, timing.verify_s)
+        self.verify_by_k.setdefault(k, _Ema(self._verify_rate)).add(timing.verify_s)
         self.other.add(max(0.0, timing.step_s - timing.verify_s - timing.wait_s))
         if k > 0:
             if timing.draft_s > 0:
@@ -116,8 +125,13 @@ class StepCostModel:
             if waited:
                 self.miss_overhead.add(max(0.0, timing.wait_s - timing.draft_s))
 
+    def verify_seconds(self, k: int) -> float:
+        """A verification of k drafts: its own mean once seen `SEEN_ENOUGH` times, else the line."""
+        own = self.verify_by_k.get(k)
+        return own.value if own is not None and own.count >= SEEN_ENOUGH else self.verify.at(k)
+
     def seconds(self, k: int) -> float:
-        verify = self.verify.at(k)
+        verify = self.verify_seconds(k)
         t = verify + self.other.get(0.0)
         if k > 0:
             t += self.miss.get(1.0) * (self.draft_seconds(k) + self.miss_overhead.get(0.0))

@@ -241,6 +241,25 @@ def test_k_stays_longer_where_verifying_more_rows_costs_nothing():
     assert mean_k[0.0] > mean_k[0.25] + 0.5
 
 
+def test_a_k_whose_rows_spill_past_the_kernels_row_tile_is_left_once_measured():
+    # A weight-bound forward as specdec's C kernels run it: up to 8 rows (k <= 7) cost what one does,
+    # 9 rows a second pass over the tile (twice). A line in k cannot hold that step; each k's own
+    # measured mean can: the request settles below the step, at the k with the best measured rate.
+    import random
+
+    rng, c, ks = random.Random(3), adaptive(), []
+    for _ in range(400):
+        k = c.next_k()
+        accepted = next((j for j in range(k) if rng.random() > 0.85), k)
+        v = 0.030 if k + 1 <= 8 else 0.060
+        w = k * 0.0005 + 0.0005 if k else 0.0
+        c.observe(k, accepted, StepTiming(verify_s=v, wait_s=w, step_s=v + w + 0.0005, draft_s=k * 0.0005))
+        ks.append(k)
+    late = ks[200:]
+    assert late.count(8) <= len(late) // 20  # (explored now and then, not kept)
+    assert sum(late) / len(late) >= 5  # and no shorter than the flat part pays for
+
+
 def test_a_blocks_fixed_drafting_cost_is_not_charged_to_each_of_its_tokens():
     """A block's first draft token also feeds the tokens the last step committed, so drafting costs
     a fixed part per block plus a part per token (here 1.4 ms + 0.95 ms per token, as measured on
