@@ -299,6 +299,7 @@ class LlamaDecoder:
                 self.kernels = self._choose_kernels(model, single_row, multi_row, one_layout=layouts_per_weight == 1)
             # exact numerics on native kernels: norms, SwiGLU, rotary and attention in C too (one call each, not ~10 ops)
             self.native_ops = self.exact and self.kernels == ("native", "native")
+            self.norm, self.swiglu, self.rotate = self._row_ops()
             # attention in C whenever exact and built: bf16 too (oneDNN's and MKL's batched GEMMs are not
             # shape-invariant on every CPU: AVX-512 and AMX machines give a row other bits beside others)
             self.native_attention = self.exact and native_attention_usable(self.dtype)
@@ -554,26 +555,17 @@ class LlamaDecoder:
         )  # [1, h, n, d]
         return att[0].transpose(0, 1).reshape(n, h * d)
 
-    # The strategies of this runner's ops (llama_model.run_layers calls them): C kernels in exact
-    # numerics on native kernels, PyTorch's otherwise.
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of rows ``x`` [n, hidden] with ``weight``."""
+    def _row_ops(self) -> tuple[Callable, Callable, Callable]:
+        """This decoder's per-row ops, chosen once (llama_model.run_layers calls them): ``norm(x, weight)``
+        (RMSNorm of rows [n, hidden]), ``swiglu(gate_up)`` and ``rotate(qk, rotary)`` (q and k rows
+        [n, (h + kv) * d] turned by rotary [n, 1, d/2]: [n, h + kv, d]); in C in exact numerics on
+        native kernels, PyTorch's otherwise."""
+        eps, heads, d = self.eps, self.n_heads + self.n_kv, self.head_dim
         if self.native_ops:
-            return native_kernels.rms_norm(x, weight, self.eps)
-        return llama_model.rms_norm(x, weight, self.eps)
-
-    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of rows [gate | up] [n, 2 * intermediate]."""
-        if self.native_ops:
-            return native_kernels.swiglu(gate_up)
-        return llama_model.swiglu(gate_up)
-
-    def rotate(self, qk: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
-        """q and k rows ``qk`` [n, (h + kv) * d] turned by ``rotary`` [n, 1, d/2]: [n, h + kv, d]."""
-        heads = self.n_heads + self.n_kv
-        if self.native_ops:
-            return native_kernels.rotary(qk, heads, self.head_dim, torch.view_as_real(rotary).contiguous())
-        return llama_model.rotate(qk, rotary, heads, self.head_dim)
+            return (lambda x, weight: native_kernels.rms_norm(x, weight, eps), native_kernels.swiglu,
+                    lambda qk, rotary: native_kernels.rotary(qk, heads, d, torch.view_as_real(rotary).contiguous()))
+        return (lambda x, weight: llama_model.rms_norm(x, weight, eps), llama_model.swiglu,
+                lambda qk, rotary: llama_model.rotate(qk, rotary, heads, d))
 
     def layers_with(self, x: torch.Tensor, rotary: torch.Tensor, attend: llama_model.Attend,
                     only: Sequence[int] | None = None) -> torch.Tensor:
@@ -638,7 +630,7 @@ class LlamaDecoder:
                 out[g.rows] = g.attend(i, q, k, v)
             return out
 
-        if self._fusable(groups, total):
+        if self._fusable(groups):
             x = self._layers_fused(x, rotary, groups[0])
         else:
             x = self.layers_with(x, rotary, attend)
@@ -647,14 +639,13 @@ class LlamaDecoder:
         logits = self.lm_head(self.norm(x[rows], self.final_norm)).float()  # [sum(num_last), vocab]
         return list(logits.split(num_last))
 
-    def _fusable(self, groups: list, rows: int) -> bool:
-        """Whether this forward is one sequence's causal rows in exact numerics on native kernels, few
-        enough that no linear is split over threads: then each layer is one C call (`_layers_fused`)."""
+    def _fusable(self, groups: list) -> bool:
+        """Whether this forward is one sequence's causal rows in exact numerics on native kernels: then
+        each layer is one C call (`_layers_fused`; its GEMMs split over threads in C, the same bits)."""
         if self._fused_macs is None or len(groups) != 1 or not isinstance(groups[0], exact_ops.ExactGroup):
             return False
         g = groups[0]
-        return (g.native and g.one and g.in_order and g.allowed is None
-                and (torch.get_num_threads() == 1 or rows * self._fused_macs < native_kernels.PARALLEL_MACS))
+        return g.native and g.one and g.in_order and g.allowed is None
 
     def _layers_fused(self, x: torch.Tensor, rotary: torch.Tensor, group: exact_ops.ExactGroup) -> torch.Tensor:
         """`layers_with` for one sequence, a C call per layer (core/native_kernels.py `decoder_layer`):
@@ -664,9 +655,11 @@ class LlamaDecoder:
         shape = (self.n_heads, self.n_kv, self.head_dim, self.intermediate)
         cos_sin = torch.view_as_real(rotary).contiguous()
         work = torch.empty(native_kernels.decoder_layer_work(n, self.hidden, shape, start))
+        # the torch thread count for a call worth splitting (a hand-off costs tens of µs), as NativeLinear does
+        threads = torch.get_num_threads() if n * self._fused_macs >= native_kernels.PARALLEL_MACS else 1
         for i, layer in enumerate(self.layers):
             keys, values = group.layer_kv(i)  # [1, kv, positions, d]
-            native_kernels.decoder_layer(x, layer, shape, self.eps, cos_sin, keys[0], values[0], start, work)
+            native_kernels.decoder_layer(x, layer, shape, self.eps, cos_sin, keys[0], values[0], start, work, threads)
         return x
 
     def keep_path(self, cache: DecodeCache, first: int, path: Sequence[int]) -> None:

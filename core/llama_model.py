@@ -100,18 +100,16 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class LayerMath(Protocol):
-    """What `run_layers` needs of a runner: its shape, its layers and its strategy for each op."""
+    """What `run_layers` needs of a runner: its shape, its layers and its strategy for each op, chosen
+    at load: ``norm(x, weight)``, ``rotate(qk, rotary)`` and ``swiglu(gate_up)``."""
 
     n_heads: int
     n_kv: int
     head_dim: int
     layers: Sequence[Layer]
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
-
-    def rotate(self, qk: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor: ...
-
-    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    swiglu: Callable[[torch.Tensor], torch.Tensor]
 
 
 def run_layers(model: LayerMath, x: torch.Tensor, rotary: torch.Tensor, attend: Attend,
@@ -121,12 +119,13 @@ def run_layers(model: LayerMath, x: torch.Tensor, rotary: torch.Tensor, attend: 
     the runner keeps them and returns attention [n, h * d]. ``only``: these layers alone (layer skip)."""
     n = x.shape[0]
     h, kv, d = model.n_heads, model.n_kv, model.head_dim
-    for i in (range(len(model.layers)) if only is None else only):
-        ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj = model.layers[i]
-        qkv = qkv_proj(model.norm(x, ln1))  # [n, (h + 2kv) * d]
-        qk = model.rotate(qkv[:, : (h + kv) * d], rotary)  # rotated q and k [n, h + kv, d]
+    norm, rotate, swiglu, layers = model.norm, model.rotate, model.swiglu, model.layers
+    for i in (range(len(layers)) if only is None else only):
+        ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj = layers[i]
+        qkv = qkv_proj(norm(x, ln1))  # [n, (h + 2kv) * d]
+        qk = rotate(qkv[:, : (h + kv) * d], rotary)  # rotated q and k [n, h + kv, d]
         x = x + o_proj(attend(i, qk[:, :h], qk[:, h:], qkv[:, (h + kv) * d:].view(n, kv, d)))
-        x = x + down_proj(model.swiglu(gate_up_proj(model.norm(x, ln2))))
+        x = x + down_proj(swiglu(gate_up_proj(norm(x, ln2))))
     return x
 
 

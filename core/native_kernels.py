@@ -82,7 +82,7 @@ def library() -> ctypes.CDLL | None:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then renamed: racing processes are safe
                 built = Path(tmp) / path.name
-                command = [compiler, "-O3", f"-march={_march()}", "-shared", "-fPIC", "-o", str(built), str(SOURCE)]
+                command = [compiler, "-O3", f"-march={_march()}", "-pthread", "-shared", "-fPIC", "-o", str(built), str(SOURCE)]
                 result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
                 if result.returncode != 0:
                     log.warning("native kernels off: %s could not build %s on this CPU: %s", compiler, SOURCE.name,
@@ -110,7 +110,7 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = types
         getattr(lib, name).restype = None
     lib.specdec_decoder_layer.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr, ptr,
-                                          ptr, i64, i64, i64, f32, ptr, ctypes.c_int]
+                                          ptr, i64, i64, i64, f32, ptr, ctypes.c_int, ctypes.c_int]
     lib.specdec_decoder_layer.restype = None
     return lib
 
@@ -262,12 +262,13 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: 
 
 
 def decoder_layer(x: torch.Tensor, layer: tuple, shape: tuple[int, int, int, int], eps: float, cos_sin: torch.Tensor,
-                  keys: torch.Tensor, values: torch.Tensor, start: int, work: torch.Tensor) -> None:
+                  keys: torch.Tensor, values: torch.Tensor, start: int, work: torch.Tensor, threads: int = 1) -> None:
     """One decoder layer over one sequence's rows ``x`` [n, hidden] (updated in place) in one call, with the
     per-op path's kernels in its order (so the same bits): ``layer`` (ln1, qkv, o, ln2, gate_up, down) with
     NativeLinear projections of one weight dtype, ``shape`` (heads, kv_heads, head_dim, intermediate),
     ``cos_sin`` [n, d / 2, 2], float32 ``keys``/``values`` [kv, positions, d] of this layer (head_dim
-    contiguous, same strides), rows at positions ``start``..; ``work``: `decoder_layer_work` floats."""
+    contiguous, same strides), rows at positions ``start``..; ``work``: `decoder_layer_work` floats;
+    ``threads``: the GEMMs split by columns over that many threads in C (the same bits at any count)."""
     ln1, qkv, o, ln2, gate_up, down = layer
     heads, kv, d, inter = shape
     n, hidden = x.shape
@@ -281,7 +282,7 @@ def decoder_layer(x: torch.Tensor, layer: tuple, shape: tuple[int, int, int, int
         x.data_ptr(), n, hidden, heads, kv, d, inter, ln1.data_ptr(), ln2.data_ptr(), ctypes.c_float(eps),
         qkv.panels.data_ptr(), o.panels.data_ptr(), gate_up.panels.data_ptr(), down.panels.data_ptr(), cos_sin.data_ptr(),
         keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), start, ctypes.c_float(1.0 / math.sqrt(d)),
-        work.data_ptr(), WEIGHT_TYPES[qkv.dtype])
+        work.data_ptr(), WEIGHT_TYPES[qkv.dtype], threads)
 
 
 def decoder_layer_work(n: int, hidden: int, shape: tuple[int, int, int, int], start: int) -> int:

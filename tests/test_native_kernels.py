@@ -272,7 +272,7 @@ def test_one_sequence_runs_a_c_call_per_layer_with_the_per_op_paths_bits(monkeyp
     C call; its logits and its cache are bitwise the per-op path's."""
     model = tiny_llama(2, seed=21)
     fused, per_op = LlamaDecoder(model, numerics="exact"), LlamaDecoder(model, numerics="exact")
-    monkeypatch.setattr(per_op, "_fusable", lambda groups, rows: False)
+    monkeypatch.setattr(per_op, "_fusable", lambda groups: False)
     calls = []
     real = native_kernels.decoder_layer
     monkeypatch.setattr(native_kernels, "decoder_layer", lambda *a: (calls.append(1), real(*a))[1])
@@ -317,3 +317,46 @@ def test_a_fused_layer_with_half_weights_gives_the_bits_of_float32_ones_widened(
     with pytest.raises(ValueError, match="float32 norm weight"):
         native_kernels.decoder_layer(x0.clone(), (ln1.to(dtype), q, o, ln2, gu, down), shape, 1e-6, cos_sin,
                                      kv0[0].clone(), kv0[1].clone(), start, work)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+def test_a_fused_layer_has_the_same_bits_at_any_thread_count_and_beside_another_caller(dtype):
+    """`decoder_layer`'s GEMMs split by columns over a team of threads in C: 1, 2, 3 and 5 threads give
+    the same rows and keys, and so do two Python threads calling at once (one finds the team busy and
+    runs alone)."""
+    import threading
+
+    g = gen(23)
+    heads, kv, d, inter, hidden, n, start = 4, 2, 32, 200, 160, 5, 7
+    weights = [torch.randn(o, i, generator=g) / 8 for o, i in
+               (((heads + 2 * kv) * d, hidden), (hidden, heads * d), (2 * inter, hidden), (hidden, inter))]
+    layer_weights = [native_kernels.NativeLinear(w.to(dtype)) for w in weights]
+    ln1, ln2 = 1 + torch.randn(hidden, generator=g) / 10, 1 + torch.randn(hidden, generator=g) / 10
+    angles = torch.randn(n, d // 2, generator=g)
+    cos_sin = torch.stack([angles.cos(), angles.sin()], dim=-1).contiguous()
+    x0, kv0 = torch.randn(n, hidden, generator=g), torch.randn(2, kv, start + n, d, generator=g)
+    shape = (heads, kv, d, inter)
+    layer = (ln1, layer_weights[0], layer_weights[1], ln2, layer_weights[2], layer_weights[3])
+
+    def run(threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, cache = x0.clone(), kv0.clone()
+        work = torch.empty(native_kernels.decoder_layer_work(n, hidden, shape, start))
+        native_kernels.decoder_layer(x, layer, shape, 1e-6, cos_sin, cache[0], cache[1], start, work, threads)
+        return x, cache
+
+    want = run(1)
+    for threads in (2, 3, 5, 2):
+        got = run(threads)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), threads
+    results: list = [None] * 4
+
+    def caller(i: int) -> None:
+        for _ in range(20):
+            results[i] = run(2)
+
+    workers = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert all(torch.equal(r[0], want[0]) and torch.equal(r[1], want[1]) for r in results)

@@ -19,6 +19,7 @@
  * one load gives both: a 32-bit word shifted left 16 is column i, masked to its top half column i + LANES.
  */
 #include <immintrin.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
@@ -420,6 +421,83 @@ static void gemm_of(int wt, GEMM_ARGS) {
     specdec_gemm(x, m, k, packed, n, y, p0, p1);
 }
 
+/* ---------------------------------------------------------------- a team of threads for one layer
+ * The layer's GEMMs split by panels (columns) over ``threads``: each output is still computed by one
+ * thread, in the one order, so the split never changes a bit. Helpers are created on first use and
+ * wait on a condition variable between GEMMs (no spinning: on 2 cores a spinning helper would take
+ * the core another process needs). One caller at a time: a call that finds the team busy (another
+ * Python thread's forward) runs its GEMM alone. */
+#define MAX_TEAM 16
+
+typedef struct {
+  int wt;
+  const float *x;
+  int64_t m, k, n, panels;
+  const void *packed;
+  float *y;
+  int parts;
+} team_job;
+
+static pthread_mutex_t team_lock = PTHREAD_MUTEX_INITIALIZER; /* one caller at a time */
+static pthread_mutex_t team_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t team_go = PTHREAD_COND_INITIALIZER, team_done = PTHREAD_COND_INITIALIZER;
+static int team_size = 0, team_pending = 0;
+static long team_round = 0, team_born[MAX_TEAM]; /* a member starts waiting for the round after its birth's */
+static team_job team_work;
+
+static void team_part(const team_job *j, int part) {
+  const int64_t p0 = j->panels * part / j->parts, p1 = j->panels * (part + 1) / j->parts;
+  if (p1 > p0) gemm_of(j->wt, j->x, j->m, j->k, j->packed, j->n, j->y, p0, p1);
+}
+
+static void *team_member(void *arg) {
+  const int part = (int)(intptr_t)arg; /* 1..team_size */
+  long seen = team_born[part];
+  for (;;) {
+    pthread_mutex_lock(&team_mu);
+    while (team_round == seen) pthread_cond_wait(&team_go, &team_mu);
+    seen = team_round;
+    const team_job job = team_work;
+    pthread_mutex_unlock(&team_mu);
+    if (part < job.parts) team_part(&job, part);
+    pthread_mutex_lock(&team_mu);
+    if (--team_pending == 0) pthread_cond_signal(&team_done);
+    pthread_mutex_unlock(&team_mu);
+  }
+  return NULL;
+}
+
+/* y = x @ W^T with ``threads`` threads (this one included); alone where the team is busy or cannot grow. */
+static void gemm_team(int threads, int wt, const float *x, int64_t m, int64_t k, const void *packed, int64_t n, float *y) {
+  const int64_t panels = (n + NR - 1) / NR;
+  if (threads > MAX_TEAM) threads = MAX_TEAM;
+  if (threads > panels) threads = (int)panels;
+  if (threads <= 1 || pthread_mutex_trylock(&team_lock) != 0) {
+    gemm_of(wt, x, m, k, packed, n, y, 0, panels);
+    return;
+  }
+  while (team_size < threads - 1) {
+    pthread_t t;
+    team_born[team_size + 1] = team_round; /* (no round runs now: this caller holds the team) */
+    if (pthread_create(&t, NULL, team_member, (void *)(intptr_t)(team_size + 1)) != 0) break;
+    pthread_detach(t);
+    team_size++;
+  }
+  if (threads > team_size + 1) threads = team_size + 1;
+  const team_job job = {wt, x, m, k, n, panels, packed, y, threads};
+  pthread_mutex_lock(&team_mu);
+  team_work = job;
+  team_pending = team_size;
+  team_round++;
+  pthread_cond_broadcast(&team_go);
+  pthread_mutex_unlock(&team_mu);
+  team_part(&job, 0);
+  pthread_mutex_lock(&team_mu);
+  while (team_pending > 0) pthread_cond_wait(&team_done, &team_mu);
+  pthread_mutex_unlock(&team_mu);
+  pthread_mutex_unlock(&team_lock);
+}
+
 /* ---------------------------------------------------------------- one decoder layer, one sequence
  * The exact path's layer for one sequence's rows in one call: the same kernels, in the same order, as
  * the per-op path (core/llama_decode.py `layers_with`), so a row's bits are the same either way; what
@@ -432,12 +510,12 @@ void specdec_decoder_layer(float *x, int64_t n, int64_t hidden, int64_t heads, i
                            int64_t inter, const float *ln1, const float *ln2, float eps, const void *qkv_w,
                            const void *o_w, const void *gu_w, const void *down_w, const float *cos_sin, float *keys,
                            float *values, int64_t head_stride, int64_t pos_stride, int64_t start, float scale, float *work,
-                           int wt) {
+                           int wt, int threads) {
   const int64_t qkv_out = (heads + 2 * kv_heads) * d, qk_width = (heads + kv_heads) * d;
   float *normed = work, *qkv = normed + n * hidden, *qk = qkv + n * qkv_out, *att = qk + n * qk_width;
   float *tmp = att + n * heads * d, *gu = tmp + n * hidden, *act = gu + n * 2 * inter, *scratch = act + n * inter;
   specdec_rms_norm(x, n, hidden, hidden, ln1, eps, normed);
-  gemm_of(wt, normed, n, hidden, qkv_w, qkv_out, qkv, 0, (qkv_out + NR - 1) / NR);
+  gemm_team(threads, wt, normed, n, hidden, qkv_w, qkv_out, qkv);
   specdec_rotary(qkv, n, qkv_out, heads + kv_heads, d, cos_sin, qk);
   for (int64_t r = 0; r < n; r++)
     for (int64_t g = 0; g < kv_heads; g++) {
@@ -449,11 +527,11 @@ void specdec_decoder_layer(float *x, int64_t n, int64_t hidden, int64_t heads, i
   for (int64_t r = 0; r < n; r++) slot[r] = 0, limit[r] = start + r + 1;
   specdec_attention(qk, n, qk_width, heads, kv_heads, d, keys, values, slot, 0, head_stride, pos_stride, limit, 0, 0,
                     scale, att, scratch);
-  gemm_of(wt, att, n, heads * d, o_w, hidden, tmp, 0, (hidden + NR - 1) / NR);
+  gemm_team(threads, wt, att, n, heads * d, o_w, hidden, tmp);
   for (int64_t i = 0; i < n * hidden; i++) x[i] += tmp[i];
   specdec_rms_norm(x, n, hidden, hidden, ln2, eps, normed);
-  gemm_of(wt, normed, n, hidden, gu_w, 2 * inter, gu, 0, (2 * inter + NR - 1) / NR);
+  gemm_team(threads, wt, normed, n, hidden, gu_w, 2 * inter, gu);
   specdec_swiglu(gu, n, 2 * inter, inter, act);
-  gemm_of(wt, act, n, inter, down_w, hidden, tmp, 0, (hidden + NR - 1) / NR);
+  gemm_team(threads, wt, act, n, inter, down_w, hidden, tmp);
   for (int64_t i = 0; i < n * hidden; i++) x[i] += tmp[i];
 }
