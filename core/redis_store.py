@@ -1,6 +1,6 @@
 """`SessionStore` on Redis (redis.asyncio): sessions shared by every replica, so any can resume one.
 
-Layout, format version 1 (DESIGN.md, "Redis layout"):
+Layout, format version 1 (docs/architecture.md, "Where state lives"):
   {prefix}:sess:{<id>}      hash: v="1", prompt (packed int32), params (JSON), seed, status,
                             finish_reason, counters (JSON), created_at, updated_at
   {prefix}:sess:{<id>}:out  string: committed output tokens, packed little-endian int32
