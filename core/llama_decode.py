@@ -320,17 +320,23 @@ class LlamaDecoder:
         linears = [f for layer in self.layers for f in (layer[1], layer[2], layer[4], layer[5])]
         self._fused_macs = (max(f.shape[0] * f.shape[1] for f in linears) if self.native_ops and all(
             isinstance(f, native_kernels.NativeLinear) for f in linears) else None)
+        if own_weights:
+            release.trim_heap()  # the load's transients (fused copies, the exact check's probes) back to the system
 
     def _cast(self, w: torch.Tensor) -> torch.Tensor:
         """``w`` in this decoder's dtype, contiguous: ``w`` itself where it already is."""
         return w.detach().to(self.dtype).contiguous()
 
+    def _weight(self, w: torch.Tensor) -> torch.Tensor:
+        """A weight matrix in the dtype the linears hold (itself where it is already)."""
+        return w.detach().to(self.weight_dtype)
+
     def _qkv_weight(self, attn: torch.nn.Module) -> torch.Tensor:
-        """q, k and v stacked [(h + 2kv) * d, hidden], rotary pairs adjacent, in this decoder's dtype."""
-        return llama_model.fused_qkv(attn, self.n_heads, self.n_kv, self.head_dim, self._cast)[0]
+        """q, k and v stacked [(h + 2kv) * d, hidden], rotary pairs adjacent, in the linears' dtype."""
+        return llama_model.fused_qkv(attn, self.n_heads, self.n_kv, self.head_dim, self._weight)[0]
 
     def _gate_up_weight(self, mlp: torch.nn.Module) -> torch.Tensor:
-        return llama_model.fused_gate_up(mlp, self._cast)[0]  # [2 * inter, hidden]
+        return llama_model.fused_gate_up(mlp, self._weight)[0]  # [2 * inter, hidden]
 
     def _layer(self, layer: torch.nn.Module, release: Callable[..., None]) -> tuple:
         """A decoder layer as this forward runs it: (input norm, QKV, o, post-attention norm, gate/up,

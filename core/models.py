@@ -165,6 +165,11 @@ class WeightRelease:
         self.libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
         self.trim = getattr(self.libc, "malloc_trim", None)  # glibc's; musl has none
 
+    def trim_heap(self) -> None:
+        """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; a no-op elsewhere)."""
+        if self.trim is not None:
+            self.trim(0)
+
     def __call__(self, *modules: torch.nn.Module) -> None:
         released = False
         mapped: list[tuple[int, int]] = []
@@ -178,10 +183,9 @@ class WeightRelease:
                 module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
                 released = True
         self._drop_pages(mapped)
-        if self.trim is not None:
-            # A fused copy freed once packed stays in the C heap's free lists otherwise: reused by the
-            # next layer's, but its pages stay with the process and add to the peak at load.
-            self.trim(0)
+        # A fused copy freed once packed stays in the C heap's free lists otherwise: reused by the
+        # next layer's, but its pages stay with the process and add to the peak at load.
+        self.trim_heap()
         if released and getattr(self.model, _RESTORE_HOOK, None) is None:
             setattr(self.model, _RESTORE_HOOK, self.model.register_forward_pre_hook(lambda m, args: restore_weights(m)))
 
