@@ -83,7 +83,7 @@ class BranchBatch:
             raise ValueError(f"all {self.max_steps} steps of this batch are used")
         dec = self._decoder
         lo = self._prefix + t * B  # this step's scratch slots [lo, lo + B)
-        x = dec.embed[torch.tensor(token_ids)]  # [B, hidden]
+        x = dec.embed_rows(token_ids)  # [B, hidden]
         # Row b at its own position (rotary) and seeing only its branch (mask): LlamaDecoder's layer math.
         x = dec.layers_forward(x, self._rotary[t], self._buf, lo, self._masks[t])
         self.steps = t + 1

@@ -289,7 +289,8 @@ class LlamaDecoder:
         self._packs: dict[tuple[int, int], bool] = {}  # per weight shape: whether oneDNN packing agreed with F.linear
         keep = (base.embed_tokens.weight,)  # shared with this decoder (same dtype); model.device and fingerprints read it
         with torch.no_grad():
-            self.embed = self._cast(base.embed_tokens.weight.to(self.weight_dtype))  # (half weights: rounded as the head is)
+            # in the weights' dtype (half weights: bf16, rounded as the head is; rows widened as gathered)
+            self.embed = base.embed_tokens.weight.detach().to(self.weight_dtype).contiguous()
             self.final_norm = self._cast(base.norm.weight)
             layers = list(base.layers)
             if self.exact or self.half_weights:  # one kernel, never timed
@@ -322,6 +323,10 @@ class LlamaDecoder:
             isinstance(f, native_kernels.NativeLinear) for f in linears) else None)
         if own_weights:
             release.trim_heap()  # the load's transients (fused copies, the exact check's probes) back to the system
+
+    def embed_rows(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """The embeddings of ``token_ids`` in this decoder's activation dtype: [n, hidden], a fresh tensor."""
+        return self.embed[torch.tensor(token_ids)].to(self.dtype)
 
     def _cast(self, w: torch.Tensor) -> torch.Tensor:
         """``w`` in this decoder's dtype, contiguous: ``w`` itself where it already is."""
@@ -548,7 +553,7 @@ class LlamaDecoder:
         if cache.pooled:  # every layer's positions up to the end finite: the skipped ones are not written here
             self.pool.fill_to(cache.slab, cache.slot, end)
         mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start) if n > 1 else None
-        x = self.layers_forward(self.embed[torch.tensor(token_ids)], self.rotary[start:end], cache.buf, start, mask, layers)
+        x = self.layers_forward(self.embed_rows(token_ids), self.rotary[start:end], cache.buf, start, mask, layers)
         return self.lm_head(self.norm(x, self.final_norm)).float()
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -609,7 +614,7 @@ class LlamaDecoder:
         parents = parents or [()] * len(caches)
         masks = [feed_mask(s, n, p) if p else None for s, n, p in zip(starts, lengths, parents)]  # [n, s + n] each
         positions = torch.tensor([r for s, n, p in zip(starts, lengths, parents) for r in feed_positions(s, n, p)])  # [N]
-        x = self.embed[torch.tensor([t for ids in token_ids for t in ids])]  # [N, hidden]
+        x = self.embed_rows([t for ids in token_ids for t in ids])  # [N, hidden]
         rotary = self.rotary[positions]  # [N, 1, d/2]
 
         by_slab: dict[int, list[int]] = {}
@@ -687,7 +692,7 @@ class LlamaDecoder:
         end = start + n
         self.last_features = None
         self._reserve(cache, end)
-        x = self.embed[torch.tensor(token_ids)]  # [n, hidden]
+        x = self.embed_rows(token_ids)  # [n, hidden]
         rotary = self.rotary[start:end]  # [n, 1, d/2]
         # Causal mask only when several tokens arrive at once (prefill / multi-token feed).
         mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start) if n > 1 else None  # [n, end]
