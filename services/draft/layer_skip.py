@@ -143,19 +143,15 @@ class SharedLayerSkipSession:
     def propose(self, committed: Sequence[int], num_speculative_tokens: int, num_alternatives: int = 0,
                 interrupt=None) -> DraftProposal:
         t0 = time.perf_counter_ns()
-        state = self._verifier.sessions.peek(self._session_id)
-        if state is None or num_speculative_tokens <= 0:
+        if num_speculative_tokens <= 0:
             return DraftProposal(())
-        decoder = self._verifier.decoder
-        valid = state.valid_len  # positions before it hold committed tokens' keys and values: never written here
-        if len(committed) <= valid or list(committed[:valid]) != state.committed[:valid]:
-            # Drafted for a sequence the verifier has moved past (a pre-draft planned before its last
-            # step): its rows would land on committed positions.
+        # (the verifier's engine runs it over the session's own cache; this runs on the model thread, in turn)
+        opened = self._verifier.early_exit(self._session_id, committed, self._layers)
+        if opened is None:  # the session is gone, or has moved past what this block was planned after
             return DraftProposal((), None, time.perf_counter_ns() - t0)
-        logits = decoder.partial_forward(state.cache, list(committed[valid:]), valid, self._layers)[-1]
+        logits, step = opened
         proposal = draft_chain(logits, len(committed), num_speculative_tokens, self._sampling, self._top_k, num_alternatives,
-                               lambda token, position: decoder.partial_forward(state.cache, [token], position, self._layers)[-1],
-                               interrupt)
+                               step, interrupt)
         return dataclasses.replace(proposal, draft_time_ns=time.perf_counter_ns() - t0)
 
 

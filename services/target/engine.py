@@ -419,6 +419,23 @@ class VerifierEngine:
                 out.append((session_id, blocks))
         return out
 
+    def early_exit(self, session_id: str, committed: Sequence[int], layers: Sequence[int]):
+        """A layer-skip draft over a session's own cache (the lean runner): the logits [vocab] of
+        ``committed``'s last row through ``layers`` alone, and ``step(token, position)`` giving the
+        next rows'. Only positions past the session's committed ones are written (their keys in those
+        layers, which its next verification overwrites). None where the session is gone, or where
+        ``committed`` is not a continuation of what it has committed (a block planned before its
+        last step: its rows would land on committed positions)."""
+        state = self.sessions.peek(session_id)
+        if state is None or self.decoder is None:
+            return None
+        valid = state.valid_len  # positions before it hold committed tokens' keys and values
+        if len(committed) <= valid or list(committed[:valid]) != state.committed[:valid]:
+            return None
+        decoder, cache = self.decoder, state.cache
+        logits = decoder.partial_forward(cache, list(committed[valid:]), valid, layers)[-1]
+        return logits, lambda token, position: decoder.partial_forward(cache, [token], position, layers)[-1]
+
     def close(self, session_id: str) -> bool:
         session = self.sessions.pop(session_id)
         if session is None:
