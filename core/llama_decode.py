@@ -290,7 +290,7 @@ class LlamaDecoder:
         keep = (base.embed_tokens.weight,)  # shared with this decoder (same dtype); model.device and fingerprints read it
         with torch.no_grad():
             # in the weights' dtype (half weights: bf16, rounded as the head is; rows widened as gathered)
-            self.embed = base.embed_tokens.weight.detach().to(self.weight_dtype).contiguous()
+            self.embed = self._weight(base.embed_tokens.weight)
             self.final_norm = self._cast(base.norm.weight)
             layers = list(base.layers)
             if self.exact or self.half_weights:  # one kernel, never timed
@@ -333,8 +333,8 @@ class LlamaDecoder:
         return w.detach().to(self.dtype).contiguous()
 
     def _weight(self, w: torch.Tensor) -> torch.Tensor:
-        """A weight matrix in the dtype the linears hold (itself where it is already)."""
-        return w.detach().to(self.weight_dtype)
+        """A weight matrix in the dtype the linears hold, contiguous (itself where it already is)."""
+        return w.detach().to(self.weight_dtype).contiguous()
 
     def _qkv_weight(self, attn: torch.nn.Module) -> torch.Tensor:
         """q, k and v stacked [(h + 2kv) * d, hidden], rotary pairs adjacent, in the linears' dtype."""
@@ -367,7 +367,7 @@ class LlamaDecoder:
     def _linear(self, weight: torch.Tensor, kernels: tuple[str, str] | None = None) -> Linear:
         """``weight`` [out, in] held only in the layouts of ``kernels`` (default: the decoder's choice),
         the packed one built without keeping the plain copy when only it runs; every layout with None."""
-        weight = weight.detach().to(self.weight_dtype).contiguous()
+        weight = self._weight(weight)
         one, many = kernels or self.kernels
         if (one, many) == ("plain", "plain"):
             return _PlainLinear(weight)
@@ -389,7 +389,7 @@ class LlamaDecoder:
     def _exact_linear(self, weight: torch.Tensor) -> Linear:
         """The kernel exact mode runs ``weight`` [out, in] (this decoder's dtype) with: what `verify` checks."""
         if self.kernels == ("native", "native"):
-            return native_kernels.NativeLinear(weight.to(self.weight_dtype).contiguous())
+            return native_kernels.NativeLinear(self._weight(weight))
         packed = _onednn_linear(weight, self.pack_rows) if self.pack_rows else None
         if packed is None:
             return _PlainLinear(weight)
@@ -666,8 +666,7 @@ class LlamaDecoder:
         shape = (self.n_heads, self.n_kv, self.head_dim, self.intermediate)
         cos_sin = torch.view_as_real(rotary).contiguous()
         work = torch.empty(native_kernels.decoder_layer_work(n, self.hidden, shape, start))
-        # the torch thread count for a call worth splitting (a hand-off costs tens of µs), as NativeLinear does
-        threads = torch.get_num_threads() if n * self._fused_macs >= native_kernels.PARALLEL_MACS else 1
+        threads = native_kernels.threads_for(n * self._fused_macs)  # (its widest GEMM decides, as a NativeLinear's would)
         for i, layer in enumerate(self.layers):
             keys, values = group.layer_kv(i)  # [1, kv, positions, d]
             native_kernels.decoder_layer(x, layer, shape, self.eps, cos_sin, keys[0], values[0], start, work, threads)

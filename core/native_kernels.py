@@ -16,9 +16,9 @@ vector width: AVX2 with FMA or AVX-512, found by the compiler, nothing hard-code
 no torch extension build. Where no C compiler works, or the CPU has neither AVX2 with FMA nor
 AVX-512, `available()` is False and the decoders keep oneDNN's kernels. ``SPECDEC_NATIVE_KERNELS=0``
 turns it off; ``SPECDEC_NATIVE_MARCH`` builds for another ``-march`` than ``native`` (``haswell``: the
-AVX2 kernels, which any AVX2 machine runs, so an AVX-512 machine can test them). The call releases the
-GIL, so a large call is split by columns over Python threads (`torch.get_num_threads()` of them); the
-split never changes a bit.
+AVX2 kernels, which any AVX2 machine runs, so an AVX-512 machine can test them). A call releases the
+GIL; a large one is split by columns over a team of threads in C (`torch.get_num_threads()` of them,
+the same team a fused layer uses); the split never changes a bit.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -45,8 +44,12 @@ SOURCE = Path(__file__).with_name("native") / "kernels.c"
 COMPILE_TIMEOUT_S = 120
 KV_DTYPES = (torch.float32, torch.bfloat16)  # what `attention` reads keys and values in
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # a linear's weight dtype -> the C kernel's `wt`
-_GEMMS = {torch.float32: "specdec_gemm", torch.bfloat16: "specdec_gemm_bf16", torch.float16: "specdec_gemm_f16"}
 PARALLEL_MACS = 1 << 22  # multiply-adds of a call from which it is split over threads (a hand-off costs tens of µs)
+
+
+def threads_for(macs: int) -> int:
+    """The threads a call of ``macs`` multiply-adds is split over: torch's count, or 1 below `PARALLEL_MACS`."""
+    return torch.get_num_threads() if macs >= PARALLEL_MACS else 1
 
 
 def cache_dir() -> Path:
@@ -94,9 +97,8 @@ def library() -> ctypes.CDLL | None:
         log.warning("native kernels off: %s", exc)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name in _GEMMS.values():
-        getattr(lib, name).argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64]
-        getattr(lib, name).restype = None
+    lib.specdec_gemm_threads.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.specdec_gemm_threads.restype = None
     lib.specdec_panel_width.restype = ctypes.c_int
     lib.specdec_weight_types.restype = ctypes.c_int
     f32 = ctypes.c_float
@@ -128,18 +130,13 @@ def weight_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(dtype for dtype, wt in WEIGHT_TYPES.items() if bits >> wt & 1)
 
 
-@functools.cache
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="specdec-gemm")
-
-
 class NativeLinear:
     """``x @ weight.T`` for a ``weight`` [out, in] in float32, bfloat16 or float16 (`weight_dtypes`), held
     only as the kernel's panels in that dtype (the weight once, at its own bytes). The math is float32:
     float32 rows give float32 results; bfloat16 or float16 rows are widened exactly and the results
     rounded back to their dtype, as ``F.linear`` in that dtype returns them."""
 
-    __slots__ = ("panels", "shape", "dtype", "_gemm")
+    __slots__ = ("panels", "shape", "dtype", "_gemm")  # _gemm: the C call, its weight type bound
 
     def __init__(self, weight: torch.Tensor) -> None:
         lib = library()
@@ -159,7 +156,7 @@ class NativeLinear:
         else:
             self.panels = rows.transpose(1, 2).contiguous()  # [panels, in, width]: each panel one contiguous stream
         self.shape, self.dtype = (out, inp), weight.dtype
-        self._gemm = getattr(lib, _GEMMS[weight.dtype])
+        self._gemm = functools.partial(lib.specdec_gemm_threads, WEIGHT_TYPES[weight.dtype])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out, inp = self.shape
@@ -172,17 +169,7 @@ class NativeLinear:
         y = torch.empty(rows, out, dtype=torch.float32)
         if rows == 0:
             return y.to(rows_dtype)
-        count = self.panels.shape[0]
-        args = (x.data_ptr(), rows, inp, self.panels.data_ptr(), out, y.data_ptr())
-        threads = min(torch.get_num_threads(), count)
-        if threads <= 1 or rows * out * inp < PARALLEL_MACS:
-            self._gemm(*args, 0, count)
-        else:
-            bounds = [count * t // threads for t in range(threads + 1)]
-            futures = [_pool().submit(self._gemm, *args, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
-            self._gemm(*args, bounds[0], bounds[1])
-            for f in futures:
-                f.result()
+        self._gemm(x.data_ptr(), rows, inp, self.panels.data_ptr(), out, y.data_ptr(), threads_for(rows * out * inp))
         return y if rows_dtype == torch.float32 else y.to(rows_dtype)
 
 

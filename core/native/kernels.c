@@ -498,6 +498,12 @@ static void gemm_team(int threads, int wt, const float *x, int64_t m, int64_t k,
   pthread_mutex_unlock(&team_lock);
 }
 
+/* y = x @ W^T over every panel of weight type ``wt``, split by columns over ``threads`` (`gemm_team`). */
+void specdec_gemm_threads(int wt, const float *x, int64_t m, int64_t k, const void *packed, int64_t n, float *y,
+                          int threads) {
+  gemm_team(threads, wt, x, m, k, packed, n, y);
+}
+
 /* ---------------------------------------------------------------- one decoder layer, one sequence
  * The exact path's layer for one sequence's rows in one call: the same kernels, in the same order, as
  * the per-op path (core/llama_decode.py `layers_with`), so a row's bits are the same either way; what
