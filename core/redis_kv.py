@@ -23,6 +23,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from specdec.core.kv_blocks import BlockLayout, CorruptBlock, PendingBlock, decode_block
 from specdec.core.redis_connect import FAILOVER_ERRORS, connect, retry_budget
+from specdec.core.retry import retry_for
 from specdec.core.sessions import check_session_id, short_id
 
 log = logging.getLogger(__name__)
@@ -87,20 +88,13 @@ class RedisKVStore:
     async def _write(self, batch: list[tuple[str, int, bytes]], budget_s: float) -> None:
         """One round trip for the lot, tried again while Redis fails over (blocks offered meanwhile
         wait in the queue, or are dropped when it is full)."""
-        loop = asyncio.get_running_loop()
-        deadline, wait = loop.time() + budget_s, 0.05
-        while True:
-            try:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for session_id, index, data in batch:
-                        pipe.set(self.key(session_id, index), data, px=self._ttl_ms)
-                    await pipe.execute()
-                return
-            except FAILOVER_ERRORS:
-                if loop.time() + wait > deadline:
-                    raise
-                await asyncio.sleep(wait)
-                wait = min(0.5, wait * 2)
+        async def write() -> None:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for session_id, index, data in batch:
+                    pipe.set(self.key(session_id, index), data, px=self._ttl_ms)
+                await pipe.execute()
+
+        await retry_for(write, budget_s, FAILOVER_ERRORS)
 
     async def flush(self, timeout_s: float = 5.0) -> None:
         """Wait until what was offered so far is written or dropped (tests, shutdown), at most ``timeout_s``."""

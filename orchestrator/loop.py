@@ -21,6 +21,7 @@ from specdec.core.errors import (DeadlineExceeded, InvalidRequest, SessionMoved,
                                  StoreUnavailable, WorkerUnavailable)
 from specdec.core.sessions import (SessionRecord, SessionStatus, SessionStore, SpecCounters, new_holder, new_session_id,
                                    short_id)
+from specdec.core.retry import retry_for
 from specdec.core.speculation import SpeculationPolicy
 from specdec.core.steps import SessionRun, SessionSpec, VerifyWorker, validate_prompt
 from specdec.orchestrator.admission import AdmissionQueue
@@ -320,17 +321,10 @@ class Orchestrator:
         ``call()`` is tried again for up to ``store_retry_s``, so the stream only pauses; past that,
         StoreUnavailable ends it, saying how long it was tried (the client may resume later)."""
         budget_s = self.config.store_retry_s if self.config.store_retry_s is not None else DEFAULT_STORE_RETRY_S
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget_s
-        wait = 0.05
-        while True:
-            try:
-                return await call()
-            except StoreUnavailable as exc:
-                if loop.time() + wait > deadline:
-                    raise StoreUnavailable(f"{exc} (tried for {budget_s:g} s, the orchestrator's store retry budget)") from None
-                await asyncio.sleep(wait)
-                wait = min(0.5, wait * 2)
+        try:
+            return await retry_for(call, budget_s, StoreUnavailable)
+        except StoreUnavailable as exc:
+            raise StoreUnavailable(f"{exc} (tried for {budget_s:g} s, the orchestrator's store retry budget)") from None
 
     @staticmethod
     def _emit(token_ids: tuple[int, ...], detok: Detokenizer) -> tuple[tuple[int, ...], str]:
