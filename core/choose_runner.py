@@ -21,10 +21,6 @@ from specdec.core.paged_runner import supports as paged_supports
 RUNNERS = ("auto", "lean", "paged", "hf")
 
 
-def model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
 def has_sliding_window(model: torch.nn.Module) -> bool:
     return any(w is not None for w in layer_windows(model.config, model.config.num_hidden_layers))
 
@@ -42,7 +38,7 @@ def choose_runner(model: torch.nn.Module, runner: str = "auto", fast_forward: bo
         kind = runner
     elif not fast_forward:
         kind = "hf"
-    elif model_device(model).type != "cpu":
+    elif model.device.type != "cpu":
         kind = "paged" if paged_supports(model) else "hf"
     else:
         kind = "lean" if lean_supports(model) else "paged" if paged_supports(model) else "hf"

@@ -1,7 +1,8 @@
 """The EAGLE head's inference path for drafting: the math of core/eagle_head.py's modules, with the
 projections fused (q, k and v in one GEMM, gate and up in another), each weight transposed once for
-``torch.mm``, q and k rotated as the target's model rotates them (core/llama_model.py), angles from a table and keys and values in a preallocated buffer that a
-truncation rolls back. A draft token then costs a handful of kernels instead of a module tree's
+``torch.mm``, q and k rotated as the target's model rotates them (core/llama_model.py: rotary pairs
+adjacent, angles from a table) and keys and values in a preallocated buffer that a truncation rolls
+back. A draft token then costs a handful of kernels instead of a module tree's
 dozens of calls (docs/performance.md, 12.2). The module stays what training runs and what the
 file holds; this is built from it (`FastHead(head)`) and gives the same numbers
 (`tests/test_eagle_drafter.py`).

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from specdec.core.cpu_features import check_dtype_supported
-from specdec.core.native_kernels import weight_dtypes
 from specdec.core.errors import ModelMismatch, ModelNotFound, UnsupportedModel
+from specdec.core.native_kernels import weight_dtypes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what a model may run in on the CPU path
 
