@@ -13,8 +13,6 @@ import json
 import logging
 import os
 import secrets
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +32,10 @@ from specdec.cli_common import (
     RUNNER_CHOICES,
     UsageError,
     device_arg,
+    ALL_DRAFTERS,
+    PORTS,
     draft_placement,
+    drafter_options,
     drafters_help,
     eagle_head_path,
     fraction,
@@ -46,7 +47,6 @@ from specdec.cli_common import (
 )
 from specdec.core.errors import SpecdecError
 
-PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
 # What of the server extra each command needs (import names); `generate --server` needs none of it.
 NEEDS = {"generate": MODEL_PACKAGES, "serve": ROLE_PACKAGES, "up": ROLE_PACKAGES, "bench": ROLE_PACKAGES,
          "certs": ("cryptography",), "autoscale": ("kubernetes", "prometheus_client")}
@@ -60,7 +60,7 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
         p.add_argument("--draft", help=f"draft model folder (default: ${ENV_DRAFT} or the demo pair)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per model (default: generate measures 1..cores per forward and uses the faster; "
-                        "up: 1; serve: torch's own)")
+                        "up: measured per forward colocated, 1 split; serve: torch's own)")
     p.add_argument("--reference-forward", action="store_true",
                    help="run models through the HF forward instead of specdec's lean decode path (slower; for checking)")
     if target:
@@ -151,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve Prometheus metrics over HTTP at /metrics on this port (default: none)")
     serve.add_argument("--health-port", type=int, default=None,
                        help="also serve grpc.health.v1, and only it, in plaintext on this port (probes that cannot do TLS)")
-    serve.add_argument("--drafter-address", default=f"127.0.0.1:{PORTS['draft']}")
+    serve.add_argument("--drafter-address", default=f"127.0.0.1:{PORTS['draft']}",
+                       help="orchestrator: a draft worker, or several comma-separated; empty: none (the verifiers "
+                            "draft every session themselves, --in-verifier-drafters)")
     serve.add_argument("--verifier-address", default=f"127.0.0.1:{PORTS['target']}",
                        help="orchestrator: a verifier, or several comma-separated (each session on the least loaded; "
                             "moved to another if its own fails)")
@@ -176,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="orchestrator: the model name the HTTP API serves (default: the target folder's name)")
     serve.add_argument("--no-draft-model", action="store_true", help="draft role: serve only model-free drafters")
     serve.add_argument("--in-verifier-drafters", default="", metavar="NAMES",
-                       help="target role: drafters the verifier runs itself, comma-separated (e.g. eagle,eagle_tree,ngram): "
-                            "their sessions draft in the verifier's process, no draft worker and no hop (docs/architecture.md)")
+                       help="target role: drafters the verifier runs itself, comma-separated (e.g. eagle,eagle_tree,ngram) or all "
+                            "(every one it can build): their sessions draft in the verifier's process, no draft worker "
+                            "and no hop (docs/architecture.md)")
     serve.add_argument("--max-sessions", type=int, default=256, help="draft/target: sessions open at once on this worker")
     serve.add_argument("--max-kv-tokens", type=int, default=None,
                        help="target: KV budget over all sessions, in tokens; each reserves prompt + max_new_tokens "
@@ -194,7 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tls_args(serve)
     _add_model_args(serve)
 
-    up = sub.add_parser("up", help="start orchestrator, draft and target as separate local processes")
+    up = sub.add_parser("up", help="start every role on this machine as local processes (colocated: the verifier drafts)")
+    up.add_argument("--topology", choices=("colocated", "split"), default=None,
+                    help="colocated (default: every process shares this host): each verifier drafts its own sessions, "
+                         "no draft worker and no hop; split: a draft worker beside each verifier, the layout for "
+                         "separate machines (docs/operations.md)")
     up.add_argument("--redis-url", default=os.environ.get(ENV_REDIS, "redis://127.0.0.1:6379/0"),
                     help="session store: redis://, rediss://, redis+cluster://h:p[,h:p...] or "
                          "redis+sentinel://h:p[,h:p...]/service (docs/operations.md)")
@@ -210,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--tls", action="store_true",
                     help="TLS on every hop (mutual between roles) with a development CA made for this run")
     up.add_argument("--in-verifier-drafters", default="", metavar="NAMES",
-                    help="drafters each verifier runs itself, comma-separated (e.g. eagle,eagle_tree): no hop for their sessions")
+                    help="drafters each verifier runs itself, comma-separated (e.g. eagle,eagle_tree), or all (the "
+                         "colocated default); split: the others draft on the draft worker")
     up.add_argument("--http-port", type=int, default=None,
                     help="the OpenAI-compatible HTTP API of orchestrator i on this port + i (default: the ports after "
                          "the gRPC ones, base + 3 x replicas; -1: no HTTP API)")
@@ -243,15 +251,6 @@ def _target_placement(args) -> dict:
 def _draft_placement(args) -> dict:
     """--draft-device and --draft-dtype as DraftConfig fields."""
     return draft_placement(args.draft_device, args.draft_dtype)
-
-
-def _drafter_options(args) -> dict:
-    """--lookahead-window, --lookahead-ngram, --lookahead-candidates and --layer-skip as DraftConfig fields."""
-    if args.lookahead_window < 1 or args.lookahead_ngram < 2 or args.lookahead_candidates < 0:
-        raise UsageError(f"lookahead needs --lookahead-window >= 1, --lookahead-ngram >= 2, --lookahead-candidates >= 0; "
-                         f"got {args.lookahead_window}, {args.lookahead_ngram}, {args.lookahead_candidates}")
-    return {"lookahead_window": args.lookahead_window, "lookahead_ngram": args.lookahead_ngram,
-            "lookahead_candidates": args.lookahead_candidates, "layer_skip": args.layer_skip}
 
 
 def resolve_rule(args) -> str:
@@ -330,7 +329,7 @@ async def _generate_embedded(args) -> int:
     target = model_path(args.target, ENV_TARGET, "target")
     # The drafters over the draft model need it; the others load it only when named.
     draft = model_path(args.draft, ENV_DRAFT, "draft") if args.drafter in ("model", "tree") else (args.draft or os.environ.get(ENV_DRAFT))
-    options = _drafter_options(args)
+    options = drafter_options(args)
     if args.drafter == "layer_skip" and not options["layer_skip"]:
         options["layer_skip"] = "auto"  # named without its flag: its layers chosen by measurement, as --layer-skip auto
     request = request_from_args(args)
@@ -457,7 +456,7 @@ async def _serve(args) -> int:
                                      "--draft-dtype" if args.draft_dtype or not args.dtype else "--dtype"))
         config = DraftConfig(draft, target, threads=args.threads, fast_draft_forward=not args.reference_forward,
                              min_confidence=args.draft_min_confidence, **placement,
-                             eagle_head_path=eagle_head_path(args.eagle_head, target), **_drafter_options(args), max_sessions=args.max_sessions,
+                             eagle_head_path=eagle_head_path(args.eagle_head, target), **drafter_options(args), max_sessions=args.max_sessions,
                              max_session_tokens=args.max_session_tokens)
         running, _ = await roles.start_draft(config, server, registry)
     elif args.role == "target":
@@ -473,8 +472,10 @@ async def _serve(args) -> int:
         in_verifier = None
         if names:
             target = config.model_path
-            draft = model_path(args.draft, ENV_DRAFT, "draft") if {"model", "tree"} & set(names) else None
-            in_verifier = DraftConfig(draft, target, threads=args.threads, eagle_head_path=eagle_head_path(args.eagle_head, target), **_drafter_options(args),
+            everything = names == (ALL_DRAFTERS,)
+            names = () if everything else names  # empty: every drafter this configuration builds
+            draft = model_path(args.draft, ENV_DRAFT, "draft") if everything or {"model", "tree"} & set(names) else None
+            in_verifier = DraftConfig(draft, target, threads=args.threads, eagle_head_path=eagle_head_path(args.eagle_head, target), **drafter_options(args),
                                       min_confidence=args.draft_min_confidence, **_draft_placement(args),
                                       max_sessions=args.max_sessions, max_session_tokens=args.max_session_tokens)
         running, _ = await roles.start_target(config, server, service_token=token, registry=registry,
@@ -511,158 +512,6 @@ class _WithHttp:
         await asyncio.gather(self.running.stop(grace_s), self.http.stop(grace_s))
 
 
-def up_ports(base: int, replicas: int) -> dict[str, list[int]]:
-    """Ports of every process `specdec up` starts: replica i of a role at base + 3i (+1 draft, +2 target)."""
-    return {role: [base + 3 * i + offset for i in range(replicas)]
-            for role, offset in (("orchestrator", 0), ("draft", 1), ("target", 2))}
-
-
-def up_http_ports(base: int, replicas: int, http_port: int | None) -> list[int]:
-    """The HTTP API port of each orchestrator `specdec up` starts (none with ``http_port`` -1)."""
-    if http_port is not None and http_port < 0:
-        return []
-    first = base + 3 * replicas if http_port is None else http_port
-    return [first + i for i in range(replicas)]
-
-
-def up_commands(common: list[str], host: str, ports: dict[str, list[int]], redis_url: str,
-                http_ports: list[int] | None = None) -> dict[str, list[str]]:
-    """name -> argv of every process: each orchestrator over a pool of all verifiers and drafters
-    (orchestrator i serving HTTP on ``http_ports[i]`` when given)."""
-    drafters = ",".join(f"{host}:{p}" for p in ports["draft"])
-    verifiers = ",".join(f"{host}:{p}" for p in ports["target"])
-    commands = {}
-    for role in ("target", "draft", "orchestrator"):
-        for i, port in enumerate(ports[role]):
-            name = role if len(ports[role]) == 1 else f"{role}-{i}"
-            commands[name] = common + [role, "--port", str(port), "--drafter-address", drafters, "--verifier-address", verifiers,
-                                       *(["--redis-url", redis_url] if role == "orchestrator" else []),
-                                       *(["--http-port", str(http_ports[i])] if role == "orchestrator" and http_ports else [])]
-    return commands
-
-
-def _up(args) -> int:
-    """One process per role (or ``--replicas`` of each) against Redis. With one of each, stops them all
-    on Ctrl-C or when one dies; with more, restarts one that dies, as a Deployment would."""
-    if args.replicas < 1:
-        raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
-    target = model_path(args.target, ENV_TARGET, "target")
-    draft = model_path(args.draft, ENV_DRAFT, "draft")
-    ports = up_ports(args.base_port, args.replicas)
-    common = [sys.executable, "-m", "specdec", "serve", "--host", args.host, "--target", target, "--draft", draft]
-    # The processes share this machine's cores: one torch thread per model process unless told
-    # otherwise, and OpenMP threads that sleep when idle instead of spinning on a core another
-    # process needs (spinning slows a neighbour many times over; docs/performance.md).
-    common += ["--threads", str(args.threads or 1)]
-    if args.store_retry_s is not None:  # else each orchestrator reads it from the store
-        common += ["--store-retry-s", str(args.store_retry_s)]
-    # A fresh service token per run, through the environment: only these processes hold it.
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-           ENV_SERVICE_TOKEN: os.environ.get(ENV_SERVICE_TOKEN) or secrets.token_urlsafe(32)}
-    if args.api_keys_file:
-        env[ENV_API_KEYS_FILE] = str(Path(args.api_keys_file).resolve())
-    if args.reference_forward:
-        common += ["--reference-forward"]
-    # Resolved (and refused) here, before any process starts; every process gets the same explicit values.
-    placed, draft_placed = _target_placement(args), _draft_placement(args)
-    common += ["--draft-device", draft_placed["draft_device"], "--draft-dtype", draft_placed["draft_dtype"],
-               "--draft-min-confidence", str(args.draft_min_confidence)]
-    common += ["--device", placed["device"], "--dtype", placed["dtype"], "--numerics", args.numerics,
-               "--weight-layouts", str(args.weight_layouts)]
-    if not args.reference_forward:
-        common += ["--runner", placed["runner"]]
-    if placed["kv_memory_fraction"] is not None:
-        common += ["--kv-memory-fraction", str(placed["kv_memory_fraction"])]
-    if args.eagle_head:
-        common += ["--eagle-head", str(Path(args.eagle_head).resolve())]
-    for field, value in _drafter_options(args).items():
-        if value != "":
-            common += [f"--{field.replace('_', '-')}", str(value)]
-    ca_file = tls_dir = None
-    if args.tls:
-        import tempfile
-
-        from specdec.rpc.certs import make_dev_certs
-
-        # A CA per run, like the token: nothing outside these processes (and the user) trusts it.
-        tls_dir = tempfile.mkdtemp(prefix="specdec-tls-")
-        paths = make_dev_certs(tls_dir, [args.host], days=1)
-        ca_file = str(paths["ca.crt"])
-        common += ["--tls-cert", str(paths["tls.crt"]), "--tls-key", str(paths["tls.key"]), "--tls-ca", ca_file]
-    http_ports = up_http_ports(args.base_port, args.replicas, args.http_port)
-    commands = up_commands(common, args.host, ports, args.redis_url, http_ports)
-    if args.in_verifier_drafters:
-        for name, argv in commands.items():
-            if name.startswith("target"):
-                argv += ["--in-verifier-drafters", args.in_verifier_drafters]
-    procs = {name: subprocess.Popen(argv, env=env) for name, argv in commands.items()}
-    orchestrators = ",".join(f"{args.host}:{p}" for p in ports["orchestrator"])
-    print(f"specdec up: starting orchestrator {orchestrators}, draft {','.join(map(str, ports['draft']))}, "
-          f"target {','.join(map(str, ports['target']))}; sessions in {args.redis_url}", flush=True)
-    if not args.api_keys_file:
-        print(f"specdec up: warning: no --api-keys-file: the client API (gRPC and HTTP) is open to anyone who can reach "
-              f"{args.host}, sessions included; pass --api-keys-file for anything shared", file=sys.stderr, flush=True)
-    stopping = False
-    ready = False
-
-    def stop(*_):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        while not stopping:
-            dead = [name for name, p in procs.items() if p.poll() is not None]
-            if dead and args.replicas == 1:
-                print(f"specdec up: {', '.join(dead)} exited; stopping the others", file=sys.stderr)
-                break
-            for name in dead:  # replicas: the others serve its sessions meanwhile
-                print(f"specdec up: {name} exited ({procs[name].returncode}); restarting it", file=sys.stderr, flush=True)
-                procs[name] = subprocess.Popen(commands[name], env=env)
-            if not ready and _healthy(f"{args.host}:{ports['orchestrator'][0]}", ca_file):
-                ready = True
-                tls_hint = f" --tls-ca {ca_file}" if ca_file else ""
-                print(f"specdec up: ready. Try: specdec generate --server {orchestrators}{tls_hint} "
-                      f"\"def fib(n):\"", flush=True)
-                scheme = "https" if ca_file else "http"
-                for port in http_ports:
-                    print(f"specdec up: OpenAI-compatible HTTP API on {scheme}://{_url_host(args.host)}:{port}/v1", flush=True)
-            time.sleep(0.2)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        if tls_dir:
-            import shutil
-
-            shutil.rmtree(tls_dir, ignore_errors=True)
-    return 0 if stopping else 1
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def _healthy(address: str, ca_file: str | None = None) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(ca_file).read_bytes())) if ca_file
-               else grpc.insecure_channel(address))
-    with channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="specdec.v1.Generation"), timeout=0.5)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -688,7 +537,9 @@ def main(argv: list[str] | None = None) -> int:
             from specdec import bench
 
             return bench.run(args)
-        return _up(args)
+        from specdec import up
+
+        return up.run(args)
     except (UsageError, SpecdecError) as exc:
         print(f"specdec: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,8 @@ from pathlib import Path
 DEMO_DIR = Path(__file__).resolve().parents[1] / "models" / "demo"
 ENV_TARGET, ENV_DRAFT, ENV_REDIS = "SPECDEC_TARGET_MODEL", "SPECDEC_DRAFT_MODEL", "SPECDEC_REDIS_URL"
 ENV_EAGLE_HEAD = "SPECDEC_EAGLE_HEAD"
+ALL_DRAFTERS = "all"  # --in-verifier-drafters: every drafter the verifier's configuration builds
+PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}  # each role's default gRPC port
 # Secrets come from files or the environment, never from argv (which `ps` shows to everyone).
 ENV_API_KEY, ENV_API_KEYS_FILE, ENV_SERVICE_TOKEN = "SPECDEC_API_KEY", "SPECDEC_API_KEYS_FILE", "SPECDEC_SERVICE_TOKEN"
 
@@ -249,3 +251,12 @@ def target_numerics(dtype: str | None, numerics: str, reference_forward: bool = 
     if numerics == "exact" and reference_forward:
         raise UsageError("--numerics exact needs specdec's lean forward: drop --reference-forward")
     return {"dtype": resolve_dtype_for(device, dtype), "numerics": numerics}
+
+
+def drafter_options(args) -> dict:
+    """--lookahead-window, --lookahead-ngram, --lookahead-candidates and --layer-skip as DraftConfig fields."""
+    if args.lookahead_window < 1 or args.lookahead_ngram < 2 or args.lookahead_candidates < 0:
+        raise UsageError(f"lookahead needs --lookahead-window >= 1, --lookahead-ngram >= 2, --lookahead-candidates >= 0; "
+                         f"got {args.lookahead_window}, {args.lookahead_ngram}, {args.lookahead_candidates}")
+    return {"lookahead_window": args.lookahead_window, "lookahead_ngram": args.lookahead_ngram,
+            "lookahead_candidates": args.lookahead_candidates, "layer_skip": args.layer_skip}

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from specdec.core.errors import SpecdecError
 from specdec.core.sessions import InMemorySessionStore, SessionStore
 from specdec.core.steps import SessionRun
 from specdec.core.threads import ThreadChooser
@@ -137,7 +138,8 @@ async def start_target(config: TargetConfig, server: ServerConfig, loop_config: 
                                          max_session_tokens=config.kv_redis_max_tokens)
     local = None
     if in_verifier is not None:
-        shares_cache = "layer_skip" in in_verifier_drafters  # drafts over the verifier's own sessions and weights
+        # Layer skip drafts over the verifier's own sessions and weights: named, or among all with --layer-skip.
+        shares_cache = "layer_skip" in in_verifier_drafters or (not in_verifier_drafters and bool(in_verifier.layer_skip))
         names = tuple(n for n in in_verifier_drafters if n != "layer_skip") if in_verifier_drafters else None
         local = in_verifier_engine(in_verifier, names, verifier_engine if shares_cache else None)
     scheduler = VerifierScheduler(verifier_engine, metrics=VerifierMetrics(registry) if registry is not None else None,
@@ -199,8 +201,9 @@ async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, s
     draft_addresses, one_drafter = pool_of(upstreams.drafter_address)
     draft_replica = lambda address, server_name=None: RemoteWorker(address, "draft", upstreams.timeout_s,  # noqa: E731
                                                                    upstreams.service_token, upstreams.tls, server_name)
-    # Several drafters, or a name: each new session drafts on the least-loaded replica.
-    drafters = None if one_drafter else DrafterPool(draft_addresses, draft_replica)
+    # Several drafters, or a name: each new session drafts on the least-loaded replica. None: the
+    # verifiers draft every session themselves (in-verifier drafting).
+    drafters = None if one_drafter or not draft_addresses else DrafterPool(draft_addresses, draft_replica)
     drafter = draft_replica(draft_addresses[0]) if one_drafter else drafters
     addresses, single = pool_of(upstreams.verifier_address)
 
@@ -212,12 +215,17 @@ async def start_orchestrator(config: OrchestratorConfig, upstreams: Upstreams, s
     # a pool, each session on the least-loaded replica, moved to another if its own fails.
     verifier = replica(addresses[0]) if single else VerifierPool(addresses, replica)
     status = await _wait_for(verifier.status, wait_s, f"verifier at {upstreams.verifier_address}")
-    draft_status = await _wait_for(drafter.status, wait_s, f"drafter at {upstreams.drafter_address}")
-    if drafters is None:
-        await drafter.aclose()
+    draft_served: tuple[str, ...] = ()
+    if drafter is not None:
+        draft_served = (await _wait_for(drafter.status, wait_s, f"drafter at {upstreams.drafter_address}")).drafters
+        if drafters is None:
+            await drafter.aclose()
+    elif not status.drafters:
+        raise SpecdecError(f"no draft worker (--drafter-address is empty) and the verifier at {upstreams.verifier_address} "
+                         "drafts nothing itself: give a draft worker's address or start the verifier with --in-verifier-drafters")
     tokenizer = AutoTokenizer.from_pretrained(upstreams.tokenizer_path, local_files_only=True)
     # The drafters of the draft workers and those the verifiers run themselves (in-verifier drafting).
-    drafter_names = tuple(dict.fromkeys((*draft_status.drafters, *status.drafters)))
+    drafter_names = tuple(dict.fromkeys((*draft_served, *status.drafters)))
     info = TargetInfo(tokenizer, status.vocab_size, status.context_length, tokenizer.eos_token_id, drafter_names)
     from specdec.metrics import OrchestratorMetrics
 

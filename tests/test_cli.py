@@ -156,7 +156,7 @@ def wait_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 300) -
 
 def test_up_starts_one_process_per_role_each_over_every_worker():
     """What `specdec up` runs (the processes themselves: the test below)."""
-    from specdec.cli import up_commands, up_ports
+    from specdec.up import up_commands, up_ports
 
     common = ["python", "-m", "specdec", "serve"]
     one = up_commands(common, "127.0.0.1", up_ports(9000, 1), "redis://r")
@@ -177,7 +177,7 @@ def test_up_serves_against_redis_and_restarts_a_process_that_dies(tiny_pair, red
     two. (One `up` for all of it: each start costs seconds of model loading per process.)"""
     import signal
 
-    from specdec.cli import up_ports
+    from specdec.up import up_ports
 
     target, draft = tiny_pair
     base = free_port_block(6)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 def test_up_gives_each_orchestrator_an_http_port():
-    from specdec.cli import up_commands, up_http_ports, up_ports
+    from specdec.up import up_commands, up_http_ports, up_ports
 
     assert up_http_ports(50051, 1, None) == [50054]  # the port after the gRPC ones
     assert up_http_ports(50051, 2, 8000) == [8000, 8001]
