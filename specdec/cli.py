@@ -109,6 +109,16 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
                             "blocks of k; k is then an upper bound; never changes the output)")
 
 
+def _add_tensor_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="target: one verifier of N ranks (processes on this machine, gloo), each holding 1/N of the "
+                        "heads, MLP units and vocabulary (the lean runner on the CPU; N divides the heads and KV heads; "
+                        "docs/operations.md). Default 1")
+    p.add_argument("--tensor-parallel-timeout-s", type=float, default=30.0, metavar="S",
+                   help="target with --tensor-parallel: a rank that answers no collective this long is taken for dead, "
+                        "and the verifier exits (its sessions resume elsewhere)")
+
+
 def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -139,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--api-key-file", help=f"file holding the API key to send with --server (default: ${ENV_API_KEY})")
     gen.add_argument("--tls-ca", help="with --server: connect with TLS, verifying the orchestrator against this PEM CA")
     _add_model_args(gen)
+    _add_tensor_parallel_args(gen)
     _add_request_args(gen)
 
     serve = sub.add_parser("serve", help="run one role as a gRPC server")
@@ -196,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_auth_args(serve)
     _add_tls_args(serve)
     _add_model_args(serve)
+    _add_tensor_parallel_args(serve)
 
     up = sub.add_parser("up", help="start every role on this machine as local processes (colocated: the verifier drafts)")
     up.add_argument("--topology", choices=("colocated", "split"), default=None,
@@ -246,6 +258,14 @@ def _target_placement(args) -> dict:
     """--device, --dtype, --numerics, --runner, --reference-forward and --kv-memory-fraction as TargetConfig fields."""
     return target_placement(args.device, args.dtype, args.numerics, args.runner, args.reference_forward,
                             args.kv_memory_fraction)
+
+
+def _tensor_parallel(args) -> dict:
+    """--tensor-parallel and --tensor-parallel-timeout-s as TargetConfig fields."""
+    if args.tensor_parallel < 1 or args.tensor_parallel_timeout_s <= 0:
+        raise UsageError(f"--tensor-parallel must be at least 1 and --tensor-parallel-timeout-s positive; got "
+                         f"{args.tensor_parallel}, {args.tensor_parallel_timeout_s}")
+    return {"tensor_parallel": args.tensor_parallel, "tensor_parallel_timeout_s": args.tensor_parallel_timeout_s}
 
 
 def _draft_placement(args) -> dict:
@@ -337,7 +357,8 @@ async def _generate_embedded(args) -> int:
     # torch thread count is chosen by measuring: more threads win on an idle machine and lose badly
     # while another process keeps a core busy (docs/performance.md).
     threads = args.threads
-    orch = roles.embedded(TargetConfig(target, threads=threads, weight_layouts=args.weight_layouts, **_target_placement(args)),
+    orch = roles.embedded(TargetConfig(target, threads=threads, weight_layouts=args.weight_layouts, **_target_placement(args),
+                                       **_tensor_parallel(args)),
                           DraftConfig(draft, target, threads=threads, fast_draft_forward=not args.reference_forward,
                                       min_confidence=args.draft_min_confidence, eagle_head_path=eagle_head_path(args.eagle_head, target), **options,
                                       **_draft_placement(args)),
@@ -467,7 +488,7 @@ async def _serve(args) -> int:
                               max_sessions=args.max_sessions, max_kv_tokens=args.max_kv_tokens,
                               kv_redis_url=args.kv_redis_url, kv_block_tokens=args.kv_block_tokens,
                               kv_redis_max_tokens=args.kv_redis_max_tokens, weight_layouts=args.weight_layouts,
-                              **_target_placement(args))
+                              **_target_placement(args), **_tensor_parallel(args))
         names = tuple(n.strip() for n in args.in_verifier_drafters.split(",") if n.strip())
         in_verifier = None
         if names:

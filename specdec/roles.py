@@ -130,6 +130,10 @@ async def start_target(config: TargetConfig, server: ServerConfig, loop_config: 
     from specdec.metrics import VerifierMetrics
 
     verifier_engine = VerifierEngine.from_config(config)
+    if verifier_engine.tensor_parallel is not None:  # a rank lost: this verifier exits, its sessions resume elsewhere
+        from specdec.target.tp_ranks import exit_on_fault
+
+        verifier_engine.tensor_parallel.runner.comm.on_fault = exit_on_fault(verifier_engine.tensor_parallel)
     kv_store = None
     if config.kv_redis_url and verifier_engine.layout is not None:
         from specdec.core.redis_kv import RedisKVStore

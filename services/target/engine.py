@@ -31,7 +31,9 @@ from specdec.core.runner import Feed, HFRunner, LeanRunner, ModelRunner
 from specdec.core.sampling import SamplingParams
 from specdec.core.session_table import FreedMemory, SessionTable
 from specdec.core.steps import MAX_PREFILL_TOKENS, DraftProposal, SessionSpec, VerifyOutcome, WorkerInfo, check_room, dense_draft_probs, validate_prompt
+from specdec.core.tensor_parallel import TensorParallelError
 from specdec.core.tree_rules import TreeOutcome, TreeStep, decide_tree_batch
+from specdec.target.tp_ranks import RankConfig, TensorParallelGroup, check_tensor_parallel, start_group
 
 log = logging.getLogger(__name__)
 # Opens of one prefill batch whose prompts share at least this many leading tokens compute them once.
@@ -90,6 +92,11 @@ class TargetConfig:
     batch_wait_s: float = 0.003
     # Opens that arrive while a prefill runs are prefilled together, up to this many prompt tokens per forward.
     max_prefill_tokens: int = MAX_PREFILL_TOKENS
+    # Ranks of one tensor-parallel verifier (services/target/tp_ranks.py): the lean runner on the CPU,
+    # sharded over this many processes on gloo; 1: one process, as ever.
+    tensor_parallel: int = 1
+    # A tensor-parallel collective waits this long for the other ranks before the group is taken for broken.
+    tensor_parallel_timeout_s: float = 30.0
 
 
 class KVBudgetFull(Overloaded):
@@ -172,14 +179,25 @@ class VerifierEngine:
         kind = choose_runner(loaded.model, config.runner, config.fast_forward)
         if config.numerics == "exact" and kind == "hf":
             raise ValueError("numerics='exact' needs the lean or the paged runner (fast_forward on, a Llama-family model)")
+        self.tensor_parallel: TensorParallelGroup | None = None
+        if config.tensor_parallel != 1:  # rank 0 of a group; the lean runner sharded (services/target/tp_ranks.py)
+            check_tensor_parallel(config, loaded.model.config)
+            if kind != "lean":
+                raise TensorParallelError(f"--tensor-parallel {config.tensor_parallel} shards the lean runner only, not "
+                                          f"the {kind} runner this model and device get (not built yet)")
+            self.tensor_parallel = start_group(loaded.model, RankConfig.of(config), own_weights)
+            kind = "tensor-parallel"
         self.decoder = self._decoder(loaded, config, own_weights) if kind == "lean" else None
         self.paged: PagedRunner | None = self._paged(loaded, config, own_weights) if kind == "paged" else None
         # every session's forward goes through the runner, batched
-        self.runner: ModelRunner = self.paged or (LeanRunner(self.decoder) if self.decoder is not None else HFRunner(loaded.model))
-        self.numerics = (self.decoder or self.paged).numerics if kind != "hf" else "fast"
+        self.runner: ModelRunner = self.paged or (LeanRunner(self.decoder) if self.decoder is not None else
+                                                  self.tensor_parallel.runner if self.tensor_parallel else HFRunner(loaded.model))
+        self.numerics = (self.tensor_parallel or self.decoder or self.paged).numerics if kind != "hf" else "fast"
         self.last_prefill_tokens = 0  # positions the last prefill batch computed (the rest came from stored KV blocks)
-        self.layout = None  # the KV block layout, on the lean and paged runners (blocks are their caches' bytes)
-        if kind != "hf":
+        # The KV block layout, on the lean and paged runners (blocks are their caches' bytes); none across
+        # ranks (each holds its heads' part): a tensor-parallel verifier's sessions resume by recomputing.
+        self.layout = None
+        if kind in ("lean", "paged"):
             # The paged runner's exact keys are other bits than the lean forward's: blocks of one are foreign to the other.
             shape = (len(self.decoder.layers), self.decoder.n_kv, self.decoder.head_dim, self.decoder.dtype) if self.decoder \
                 else (self.paged.layer_count, self.paged.n_kv, self.paged.head_dim, self.paged.dtype)
@@ -225,6 +243,10 @@ class VerifierEngine:
 
     @classmethod
     def from_config(cls, config: TargetConfig) -> "VerifierEngine":
+        if config.tensor_parallel != 1:  # a degree that cannot serve this model fails before the weights load
+            from transformers import AutoConfig
+
+            check_tensor_parallel(config, AutoConfig.from_pretrained(config.model_path, local_files_only=True))
         return cls(load_causal_lm(config.model_path, dtype=config.dtype, threads=config.threads, device=config.device),
                    config, own_weights=True)
 
