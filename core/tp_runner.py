@@ -94,7 +94,9 @@ class Collectives:
         self.lock = threading.Lock()  # rank 0: one plan and its forward at a time (the model thread, the heartbeat)
         self.broken: TensorParallelError | None = None
         self.last_op = time.monotonic()
-        self.reductions = 0  # collectives of forwards run (benchmarks count them)
+        self.reductions = 0  # collectives of forwards run, and their seconds on this rank (benchmarks read them)
+        self.reduce_s = 0.0
+        self.plan_s = 0.0  # seconds sending (rank 0) or receiving plans
 
     def _wait(self, work, what: str) -> None:
         try:
@@ -118,10 +120,12 @@ class Collectives:
     def gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``t`` (the same shape on each), in rank order."""
         self._check()
+        t0 = time.perf_counter()
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.size)]
         self._wait(self.group.allgather([parts], [t]), "an all-gather")
         self.reductions += 1
+        self.reduce_s += time.perf_counter() - t0
         return parts
 
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -129,14 +133,17 @@ class Collectives:
         if self.exact:
             return sum_in_rank_order(self.gather(t))
         self._check()
+        t0 = time.perf_counter()
         t = t.contiguous()
         self._wait(self.group.allreduce([t]), "an all-reduce")
         self.reductions += 1
+        self.reduce_s += time.perf_counter() - t0
         return t
 
     # -- plans: rank 0 sends, the others receive
     def send(self, op: int, plan: StepPlan | None = None) -> None:
         self._check()
+        t0 = time.perf_counter()
         payload = encode_plan(plan) if plan is not None else None
         self._wait(self.group.broadcast(header(op, 0 if payload is None else payload.numel()), 0), "sending a plan")
         if payload is not None and payload.numel():
@@ -144,6 +151,7 @@ class Collectives:
         if op == OP_PING:  # every rank answers: a hung one is found while idle too
             self._wait(self.group.allreduce([torch.zeros(1)]), "a heartbeat")
         self.last_op = time.monotonic()
+        self.plan_s += time.perf_counter() - t0
 
     def receive(self) -> tuple[int, StepPlan | None]:
         self._check()
