@@ -59,8 +59,8 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True, target: bool
     if draft:
         p.add_argument("--draft", help=f"draft model folder (default: ${ENV_DRAFT} or the demo pair)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per model (default: generate measures 1..cores per forward and uses the faster; "
-                        "up: measured per forward colocated, 1 split; serve: torch's own)")
+                   help="torch threads per model (default: generate, serve target and up's colocated verifier measure "
+                        "1..cores per forward and use the faster; up --topology split: 1; serve draft: torch's own)")
     p.add_argument("--reference-forward", action="store_true",
                    help="run models through the HF forward instead of specdec's lean decode path (slower; for checking)")
     if target:

@@ -129,6 +129,11 @@ async def start_target(config: TargetConfig, server: ServerConfig, loop_config: 
     channels = DraftChannels(service_token, server.tls)
     from specdec.metrics import VerifierMetrics
 
+    threads = None
+    if config.threads is None:  # each forward's thread count measured over this process's cores, as embedded()
+        threads = ThreadChooser(range(1, available_cores() + 1))
+        config = dataclasses.replace(config, threads=1)
+        in_verifier = dataclasses.replace(in_verifier, threads=1) if in_verifier is not None else None
     verifier_engine = VerifierEngine.from_config(config)
     if verifier_engine.tensor_parallel is not None:  # a rank lost: this verifier exits, its sessions resume elsewhere
         from specdec.target.tp_ranks import exit_on_fault
@@ -147,7 +152,7 @@ async def start_target(config: TargetConfig, server: ServerConfig, loop_config: 
         names = tuple(n for n in in_verifier_drafters if n != "layer_skip") if in_verifier_drafters else None
         local = in_verifier_engine(in_verifier, names, verifier_engine if shares_cache else None)
     scheduler = VerifierScheduler(verifier_engine, metrics=VerifierMetrics(registry) if registry is not None else None,
-                                  kv_store=kv_store, executor=local)
+                                  kv_store=kv_store, executor=local, threads=threads)
 
     def link(run: SessionRun):
         if local is not None and run.spec.drafter in local.drafters:

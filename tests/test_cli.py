@@ -168,9 +168,10 @@ def test_up_starts_one_process_per_role_each_over_every_worker():
     assert all("127.0.0.1:9001,127.0.0.1:9004" in argv for argv in two.values())  # every one over both drafters
 
 
-@pytest.mark.timeout(900)  # six processes that each load both models, twice two of them
+@pytest.mark.timeout(900)  # four processes, the verifiers loading both models, twice two of them
 def test_up_serves_against_redis_and_restarts_a_process_that_dies(tiny_pair, redis_url, capsys):
-    """`specdec up --replicas 2`: six processes against Redis. Greedy and seeded requests through it
+    """`specdec up --replicas 2` (colocated, the default): four processes against Redis, each verifier
+    drafting its own sessions. Greedy and seeded requests through it
     give what one process gives; its HTTP API answers on the ports after the gRPC ones, and it prints
     their URLs and one warning for running without keys; kill -9 one verifier and one orchestrator,
     and a client given both orchestrators still gets the whole greedy completion; `up` restarts the
@@ -225,9 +226,9 @@ def test_up_serves_against_redis_and_restarts_a_process_that_dies(tiny_pair, red
         code, stdout, stderr = in_process("generate", "def f():", "--server", servers, "--max-new-tokens", "40", "--json", capsys=capsys)
         assert code == 0, stderr
         before = json.loads(stdout)["token_ids"]
-        # Six processes: every orchestrator and worker is a separate child of `up`.
+        # Four processes: every orchestrator and verifier is a separate child of `up`, and no draft worker.
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        assert len(children) == 6
+        assert len(children) == 4
 
         def child_on(port: int) -> int:
             for pid in children:
@@ -243,7 +244,7 @@ def test_up_serves_against_redis_and_restarts_a_process_that_dies(tiny_pair, red
         assert json.loads(stdout)["token_ids"] == before
         wait_healthy(f"127.0.0.1:{ports['orchestrator'][0]}", proc)  # restarted
         restarted = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        assert len(restarted) == 6 and len(set(restarted) - set(children)) == 2
+        assert len(restarted) == 4 and len(set(restarted) - set(children)) == 2
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=60)

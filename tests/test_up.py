@@ -39,3 +39,26 @@ def test_split_runs_a_draft_worker_beside_each_verifier_with_one_thread_each():
     assert flag(topology.commands["orchestrator-1"], "--drafter-address") == "127.0.0.1:9001,127.0.0.1:9004"
     assert "--in-verifier-drafters" not in topology.commands["target-0"]
     assert "draft hop" in topology.summary
+
+
+async def test_an_orchestrator_without_a_draft_worker_needs_a_verifier_that_drafts(tiny_pair):
+    """`--drafter-address ''` (the colocated topology's orchestrator) over a verifier that drafts
+    nothing itself: start-up stops with what to do, instead of serving requests that cannot speculate."""
+    import pytest
+
+    from specdec import roles
+    from specdec.core.errors import SpecdecError
+    from specdec.core.sessions import InMemorySessionStore
+    from specdec.orchestrator.request import OrchestratorConfig
+    from specdec.rpc.server import ServerConfig
+    from specdec.target.engine import TargetConfig
+
+    target, _ = tiny_pair
+    loopback = ServerConfig("127.0.0.1", 0)
+    server, _ = await roles.start_target(TargetConfig(target, threads=1), loopback)
+    try:
+        upstreams = roles.Upstreams("", server.address, target, timeout_s=30.0)
+        with pytest.raises(SpecdecError, match="--in-verifier-drafters"):
+            await roles.start_orchestrator(OrchestratorConfig(), upstreams, InMemorySessionStore(), loopback, wait_s=30.0)
+    finally:
+        await server.stop(0)
