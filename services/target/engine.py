@@ -185,6 +185,9 @@ class VerifierEngine:
             if kind != "lean":
                 raise TensorParallelError(f"--tensor-parallel {config.tensor_parallel} shards the lean runner only, not "
                                           f"the {kind} runner this model and device get (not built yet)")
+            if config.kv_redis_url:
+                log.warning("--kv-redis-url is ignored with --tensor-parallel: each rank holds only its heads' keys and "
+                            "values, and KV blocks of a sharded cache are not built; a resumed session recomputes its prefix")
             self.tensor_parallel = start_group(loaded.model, RankConfig.of(config), own_weights)
             kind = "tensor-parallel"
         self.decoder = self._decoder(loaded, config, own_weights) if kind == "lean" else None
