@@ -235,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the OpenAI-compatible HTTP API of orchestrator i on this port + i (default: the ports after "
                          "the gRPC ones, base + 3 x replicas; -1: no HTTP API)")
     _add_model_args(up)
+    _add_tensor_parallel_args(up)
 
     certs = sub.add_parser("certs", help="make a development CA and a certificate for every role (TLS and mutual TLS)")
     certs.add_argument("--out", required=True, help="folder to write ca.crt, ca.key, tls.crt, tls.key")

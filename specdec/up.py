@@ -130,6 +130,8 @@ def role_flags(args) -> list[str]:
               "--weight-layouts", str(args.weight_layouts)]
     if not args.reference_forward:
         flags += ["--runner", placed["runner"]]
+    if args.tensor_parallel != 1:  # (every serve takes it; only the verifiers use it)
+        flags += ["--tensor-parallel", str(args.tensor_parallel), "--tensor-parallel-timeout-s", str(args.tensor_parallel_timeout_s)]
     if placed["kv_memory_fraction"] is not None:
         flags += ["--kv-memory-fraction", str(placed["kv_memory_fraction"])]
     if args.eagle_head:

@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = spec["rank"]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(name)s %(levelname)s %(message)s")
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides, and stops us
     config = RankConfig(**spec["config"])
     n = config.tensor_parallel
     store = dist.TCPStore("127.0.0.1", spec["port"], n, False, timeout=datetime.timedelta(seconds=LOAD_TIMEOUT_S))
