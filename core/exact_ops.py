@@ -177,7 +177,7 @@ class ExactGroup:
             self.limits = (allowed.shape[1] - self.allowed.flip(1).argmax(1)).contiguous()
         else:
             self.allowed, self.limits = None, limits.to(torch.int64).contiguous()
-        self.scratch = torch.empty(int(self.limits.max()) + 64)
+        self.scratch = torch.empty(torch.get_num_threads() * (int(self.limits.max()) + 64))  # a stretch per thread
         self.one = self.num_slots == 1 and self.write is not None and isinstance(self.write[0], slice) and _is_run(positions)
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -241,9 +241,16 @@ def _as_slice(index: torch.Tensor) -> torch.Tensor | slice:
     return slice(first, first + len(index)) if torch.equal(index, torch.arange(first, first + len(index))) else index
 
 
+def runs(starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """[sum(lengths)]: s, s + 1, ..., s + n - 1 for each (s, n), in one pass (no tensor per sequence)."""
+    starts, lengths = torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+    before = torch.cumsum(lengths, 0) - lengths  # each run's first row
+    return torch.repeat_interleave(starts - before, lengths) + torch.arange(int(lengths.sum()))
+
+
 def causal_limits(starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
     """[sum(lengths)]: row r of a sequence starting at s sees positions < s + r + 1."""
-    return torch.tensor([s + r + 1 for s, n in zip(starts, lengths) for r in range(n)])
+    return runs([s + 1 for s in starts], lengths)
 
 
 def slab_group(dec, slab: int, members: list[tuple[int, int, int, int]],
@@ -260,14 +267,15 @@ def slab_group(dec, slab: int, members: list[tuple[int, int, int, int]],
         for slot in range(lo, hi):  # every slot the view spans, to the padded length (masked keys are still multiplied)
             dec.pool.fill_to(slab, slot, round_up(length, KEY_BLOCK))
     tensor = dec.pool.slabs[slab]  # [layers, 2, slots, kv, context, d]
+    slots, starts, firsts, lengths = (list(column) for column in zip(*members))
     return ExactGroup(
         dec, lambda i: (tensor[i, 0, lo:hi], tensor[i, 1, lo:hi]), hi - lo,
-        rows=torch.cat([torch.arange(first, first + n) for _, _, first, n in members]),
-        slots=torch.tensor([slot - lo for slot, _, _, n in members for _ in range(n)]),
-        row_in_seq=torch.cat([torch.arange(n) for _, _, _, n in members]),
-        limits=causal_limits([start for _, start, _, _ in members], [n for _, _, _, n in members]),
+        rows=runs(firsts, lengths),
+        slots=torch.repeat_interleave(torch.tensor(slots) - lo, torch.tensor(lengths)),
+        row_in_seq=runs([0] * len(members), lengths),
+        limits=causal_limits(starts, lengths),
         allowed=None if masks is None else _stacked_masks(members, masks, length),
-        positions=torch.cat([torch.arange(start, start + n) for _, start, _, n in members]))
+        positions=runs(starts, lengths))
 
 
 def _stacked_masks(members: list[tuple[int, int, int, int]], masks: Sequence[torch.Tensor | None], length: int) -> torch.Tensor:

@@ -641,8 +641,9 @@ class LlamaDecoder:
                 out[g.rows] = g.attend(i, q, k, v)
             return out
 
-        if self._fusable(groups):
-            x = self._layers_fused(x, rotary, groups[0])
+        fused = self._fused_plan(groups)
+        if fused is not None:
+            x = self._layers_fused(x, rotary, *fused)
         else:
             x = self.layers_with(x, rotary, attend)
         self.last_features = final_features(x, offsets, num_features, self.final_norm, self.eps)
@@ -650,26 +651,49 @@ class LlamaDecoder:
         logits = self.lm_head(self.norm(x[rows], self.final_norm)).float()  # [sum(num_last), vocab]
         return list(logits.split(num_last))
 
-    def _fusable(self, groups: list) -> bool:
-        """Whether this forward is one sequence's causal rows in exact numerics on native kernels: then
-        each layer is one C call (`_layers_fused`; its GEMMs split over threads in C, the same bits)."""
-        if self._fused_macs is None or len(groups) != 1 or not isinstance(groups[0], exact_ops.ExactGroup):
-            return False
-        g = groups[0]
-        return g.native and g.one and g.in_order and g.allowed is None
+    def _fused_plan(self, groups: list) -> tuple[exact_ops.ExactGroup, native_kernels.LayerRows] | None:
+        """Where each layer of this forward can be one C call (`_layers_fused`): exact numerics on native
+        kernels, every group's rows in the batch's order, written where they attend; one cache or slab,
+        or several slabs of this decoder's pool (causal rows), read through offsets from the first.
+        Returns the group whose keys a layer's call takes, and the rows; None: layer by layer in Python."""
+        if self._fused_macs is None or not all(isinstance(g, exact_ops.ExactGroup) and g.native
+                                               and g.write is not None and isinstance(g.write[0], slice)
+                                               and g.write[0].step in (None, 1) for g in groups):
+            return None
+        groups = sorted(groups, key=lambda g: g.write[0].start)
+        if groups[0].write[0].start != 0 or any(a.write[0].stop != b.write[0].start for a, b in zip(groups, groups[1:])):
+            return None
+        keys = [g.layer_kv(0) for g in groups]  # each ([slots, kv, positions, d] keys, values)
+        first_k, first_v = keys[0]
+        if len(groups) == 1:
+            g = groups[0]
+            return g, native_kernels.LayerRows(g.slots, g.write[2], g.limits, g.allowed, first_k.shape[0], first_k.shape[2])
+        size = first_k.element_size()
+        same = all(k.shape[1:] == first_k.shape[1:] and k.stride() == first_k.stride() and v.stride() == k.stride()
+                   and v.data_ptr() - k.data_ptr() == first_v.data_ptr() - first_k.data_ptr()
+                   and (k.data_ptr() - first_k.data_ptr()) % size == 0 for k, v in keys)
+        if len(self.layers) > 1:  # each layer's keys the same distance on in every group: the offsets hold in every layer
+            step = groups[0].layer_kv(1)[0].data_ptr() - first_k.data_ptr()
+            same = same and all(g.layer_kv(1)[0].data_ptr() - k.data_ptr() == step for g, (k, _) in zip(groups, keys))
+        if not same or any(g.allowed is not None for g in groups):
+            return None
+        offsets = torch.cat([(k.data_ptr() - first_k.data_ptr()) // size + g.slots * k.stride(0) for g, (k, _) in zip(groups, keys)])
+        rows = native_kernels.LayerRows(offsets, torch.cat([g.write[2] for g in groups]), torch.cat([g.limits for g in groups]),
+                                        None, 0, first_k.shape[2], slot_stride=1)
+        return groups[0], rows
 
-    def _layers_fused(self, x: torch.Tensor, rotary: torch.Tensor, group: exact_ops.ExactGroup) -> torch.Tensor:
-        """`layers_with` for one sequence, a C call per layer (core/native_kernels.py `decoder_layer`):
-        the same kernels in the same order, so the same bits, without the Python between them."""
+    def _layers_fused(self, x: torch.Tensor, rotary: torch.Tensor, group: exact_ops.ExactGroup,
+                      rows: native_kernels.LayerRows) -> torch.Tensor:
+        """`layers_with` as a C call per layer (core/native_kernels.py `decoder_layer`): the same kernels
+        in the same order, so the same bits, without the Python between them."""
         x = x.contiguous()  # (the embedding's gather: a fresh tensor, updated in place below)
-        n, start = x.shape[0], group.first_position
         shape = (self.n_heads, self.n_kv, self.head_dim, self.intermediate)
         cos_sin = torch.view_as_real(rotary).contiguous()
-        work = torch.empty(native_kernels.decoder_layer_work(n, self.hidden, shape, start))
-        threads = native_kernels.threads_for(n * self._fused_macs)  # (its widest GEMM decides, as a NativeLinear's would)
+        threads = native_kernels.threads_for(x.shape[0] * self._fused_macs)  # (its widest GEMM decides, as a NativeLinear's would)
+        work = torch.empty(rows.work(self.hidden, shape, threads))
         for i, layer in enumerate(self.layers):
-            keys, values = group.layer_kv(i)  # [1, kv, positions, d]
-            native_kernels.decoder_layer(x, layer, shape, self.eps, cos_sin, keys[0], values[0], start, work, threads)
+            keys, values = group.layer_kv(i)
+            native_kernels.decoder_layer(x, layer, shape, self.eps, cos_sin, keys, values, rows, work, threads)
         return x
 
     def keep_path(self, cache: DecodeCache, first: int, path: Sequence[int]) -> None:

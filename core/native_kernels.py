@@ -108,12 +108,17 @@ def library() -> ctypes.CDLL | None:
         ("specdec_rotary", [ptr, i64, i64, i64, i64, ptr, ptr]),
         ("specdec_attention", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, f32, ptr, ptr]),
         ("specdec_attention_bf16", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, f32, ptr, ptr]),
+        ("specdec_attention_threads", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, f32, ptr, ptr,
+                                       i64, ctypes.c_int]),
+        ("specdec_attention_threads_bf16", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, f32, ptr,
+                                            ptr, i64, ctypes.c_int]),
     ):
         getattr(lib, name).argtypes = types
         getattr(lib, name).restype = None
-    lib.specdec_decoder_layer.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr, ptr,
-                                          ptr, i64, i64, i64, f32, ptr, ctypes.c_int, ctypes.c_int]
-    lib.specdec_decoder_layer.restype = None
+    lib.specdec_decoder_layer_rows.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr,
+                                               ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, f32, ptr, i64,
+                                               ctypes.c_int, ctypes.c_int]
+    lib.specdec_decoder_layer_rows.restype = None
     return lib
 
 
@@ -221,11 +226,14 @@ def rotary(qk: torch.Tensor, heads: int, head_dim: int, cos_sin: torch.Tensor) -
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, limits: torch.Tensor,
-              allowed: torch.Tensor | None, scale: float, scratch: torch.Tensor | None = None) -> torch.Tensor:
+              allowed: torch.Tensor | None, scale: float, scratch: torch.Tensor | None = None,
+              threads: int | None = None) -> torch.Tensor:
     """Rows ``q`` [n, heads, d] (each row's heads contiguous) over ``keys``/``values`` [slots, kv, positions, d]
     (one layer of a slab, same strides; float32 or bfloat16, widened exactly): row r attends to slot ``slots[r]``'s positions below ``limits[r]``,
     and of those where ``allowed`` [n, >= max limit] (uint8) is non-zero when given: [n, heads * d].
-    ``slots`` and ``limits`` int64, ``scratch`` at least max(limits) + 64 floats (made when None)."""
+    ``slots`` and ``limits`` int64, ``scratch`` at least threads x (max(limits) + 64) floats (made when
+    smaller). ``threads`` (None: `threads_for` the keys it reads): the rows split over that many threads
+    in C, each row whole on one, so the same bits at any count."""
     n, heads, d = q.shape
     kv = keys.shape[1]
     if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
@@ -237,25 +245,69 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: 
         raise ValueError("attention takes contiguous int64 slots and limits")
     if allowed is not None and (allowed.dtype != torch.uint8 or not allowed.is_contiguous()):
         raise ValueError("attention takes a contiguous uint8 mask")
-    if scratch is None:
-        scratch = torch.empty(int(limits.max()) + 64 if n else 64)
+    stride = int(limits.max()) + 64 if n else 64
+    if threads is None:
+        threads = threads_for(int(limits.sum()) * heads * d * 2 if n else 0)
+    threads = max(1, min(threads, n))
+    if scratch is None or scratch.numel() < threads * stride:
+        scratch = torch.empty(threads * stride)
     out = torch.empty(n, heads * d)
-    kernel = library().specdec_attention_bf16 if keys.dtype == torch.bfloat16 else library().specdec_attention
+    kernel = library().specdec_attention_threads_bf16 if keys.dtype == torch.bfloat16 else library().specdec_attention_threads
     kernel(
         q.data_ptr(), n, q.stride(0), heads, kv, d, keys.data_ptr(), values.data_ptr(), slots.data_ptr(), keys.stride(0),
         keys.stride(1), keys.stride(2), limits.data_ptr(), _ptr(allowed), 0 if allowed is None else allowed.shape[1],
-        ctypes.c_float(scale), out.data_ptr(), scratch.data_ptr())
+        ctypes.c_float(scale), out.data_ptr(), scratch.data_ptr(), stride, threads)
     return out
 
 
+class LayerRows:
+    """Where each row of a forward writes its key and value (``slots``, ``positions``) and which keys it
+    sees (below ``limits``, and where ``allowed`` [n, >= max limit] is non-zero when given), checked
+    once for every layer of the forward against ``num_slots`` sequence slots of ``capacity`` positions."""
+
+    def __init__(self, slots: torch.Tensor, positions: torch.Tensor, limits: torch.Tensor, allowed: torch.Tensor | None,
+                 num_slots: int, capacity: int, slot_stride: int | None = None) -> None:
+        """``slot_stride`` given: ``slots`` are each row's offset in elements from the layer's keys (of
+        several slabs of one shape, made by the caller from their tensors), not slot numbers."""
+        n = len(positions)
+        self.slots, self.positions, self.limits = (t.to(torch.int64).contiguous() for t in (slots, positions, limits))
+        if not (len(self.slots) == len(self.limits) == n) or n == 0:
+            raise ValueError(f"LayerRows takes one slot, position and limit per row; got {len(slots)}, {n}, {len(limits)}")
+        top = int(self.limits.max())
+        if ((slot_stride is None and (int(self.slots.min()) < 0 or int(self.slots.max()) >= num_slots))
+                or int(self.positions.min()) < 0 or int(self.positions.max()) >= capacity or int(self.limits.min()) < 1
+                or top > capacity):
+            raise ValueError(f"LayerRows out of range: slots < {num_slots}, positions and limits within {capacity} positions")
+        self.slot_stride = slot_stride
+        if allowed is not None:
+            allowed = allowed.to(torch.uint8).contiguous()
+            if allowed.shape[0] != n or allowed.shape[1] < top:
+                raise ValueError(f"LayerRows' mask must be [{n}, >= {top}], got {tuple(allowed.shape)}")
+        self.allowed, self.n, self.num_slots, self.capacity = allowed, n, num_slots, capacity
+        self.scratch_stride = top + 64
+
+    def work(self, hidden: int, shape: tuple[int, int, int, int], threads: int) -> int:
+        """Floats of scratch `decoder_layer` needs for these rows on ``threads`` threads."""
+        heads, kv, d, inter = shape
+        n = self.n
+        return n * (2 * hidden + (heads + 2 * kv) * d + (heads + kv) * d + heads * d + 3 * inter) + threads * self.scratch_stride
+
+
+def causal_rows(start: int, n: int, capacity: int) -> LayerRows:
+    """One sequence's ``n`` causal rows from position ``start``, in slot 0."""
+    positions = torch.arange(start, start + n)
+    return LayerRows(torch.zeros(n, dtype=torch.int64), positions, positions + 1, None, 1, capacity)
+
+
 def decoder_layer(x: torch.Tensor, layer: tuple, shape: tuple[int, int, int, int], eps: float, cos_sin: torch.Tensor,
-                  keys: torch.Tensor, values: torch.Tensor, start: int, work: torch.Tensor, threads: int = 1) -> None:
-    """One decoder layer over one sequence's rows ``x`` [n, hidden] (updated in place) in one call, with the
+                  keys: torch.Tensor, values: torch.Tensor, rows: LayerRows, work: torch.Tensor, threads: int = 1) -> None:
+    """One decoder layer over a batch's rows ``x`` [n, hidden] (updated in place) in one call, with the
     per-op path's kernels in its order (so the same bits): ``layer`` (ln1, qkv, o, ln2, gate_up, down) with
     NativeLinear projections of one weight dtype, ``shape`` (heads, kv_heads, head_dim, intermediate),
-    ``cos_sin`` [n, d / 2, 2], float32 ``keys``/``values`` [kv, positions, d] of this layer (head_dim
-    contiguous, same strides), rows at positions ``start``..; ``work``: `decoder_layer_work` floats;
-    ``threads``: the GEMMs split by columns over that many threads in C (the same bits at any count)."""
+    ``cos_sin`` [n, d / 2, 2], float32 ``keys``/``values`` [slots, kv, positions, d] of this layer
+    (head_dim contiguous, same strides), ``rows`` where each row writes and what it sees; ``work``:
+    ``rows.work(...)`` floats; ``threads``: the GEMMs split by columns and attention by rows over that
+    many threads in C (the same bits at any count)."""
     ln1, qkv, o, ln2, gate_up, down = layer
     heads, kv, d, inter = shape
     n, hidden = x.shape
@@ -263,16 +315,21 @@ def decoder_layer(x: torch.Tensor, layer: tuple, shape: tuple[int, int, int, int
     if len({f.dtype for f in projections}) != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32:
         raise ValueError(f"decoder_layer takes projections of one weight dtype and float32 keys and values; got "
                          f"{[f.dtype for f in projections]}, {keys.dtype} and {values.dtype}")
+    if (keys.dim() != 4 or keys.shape != values.shape or keys.stride() != values.stride() or keys.stride(3) != 1
+            or tuple(keys.shape[1:]) != (kv, rows.capacity, d) or rows.n != n
+            or (rows.slot_stride is None and keys.shape[0] != rows.num_slots)
+            or not x.is_contiguous() or x.dtype != torch.float32):
+        raise ValueError(f"decoder_layer takes contiguous float32 rows and keys/values [{rows.num_slots}, {kv}, "
+                         f"{rows.capacity}, {d}] (head_dim contiguous) matching its LayerRows; got {tuple(keys.shape)}")
     for norm in (ln1, ln2):
         _float32_vector(norm, hidden, "decoder_layer")
-    library().specdec_decoder_layer(
+    if work.dtype != torch.float32 or not work.is_contiguous() or work.numel() < rows.work(hidden, shape, threads):
+        raise ValueError(f"decoder_layer needs contiguous float32 work of rows.work(..., threads={threads}) floats")
+    allowed = rows.allowed
+    library().specdec_decoder_layer_rows(
         x.data_ptr(), n, hidden, heads, kv, d, inter, ln1.data_ptr(), ln2.data_ptr(), ctypes.c_float(eps),
         qkv.panels.data_ptr(), o.panels.data_ptr(), gate_up.panels.data_ptr(), down.panels.data_ptr(), cos_sin.data_ptr(),
-        keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), start, ctypes.c_float(1.0 / math.sqrt(d)),
-        work.data_ptr(), WEIGHT_TYPES[qkv.dtype], threads)
-
-
-def decoder_layer_work(n: int, hidden: int, shape: tuple[int, int, int, int], start: int) -> int:
-    """Floats of scratch `decoder_layer` needs for ``n`` rows from position ``start``."""
-    heads, kv, d, inter = shape
-    return n * (2 * hidden + (heads + 2 * kv) * d + (heads + kv) * d + heads * d + 3 * inter) + start + n + 64
+        keys.data_ptr(), values.data_ptr(), keys.stride(0) if rows.slot_stride is None else rows.slot_stride,
+        keys.stride(1), keys.stride(2), rows.slots.data_ptr(),
+        rows.positions.data_ptr(), rows.limits.data_ptr(), _ptr(allowed), 0 if allowed is None else allowed.shape[1],
+        ctypes.c_float(1.0 / math.sqrt(d)), work.data_ptr(), rows.scratch_stride, WEIGHT_TYPES[qkv.dtype], threads)

@@ -184,6 +184,27 @@ def test_attention_matches_softmax_and_a_row_alone():
                                                     1 / math.sqrt(d))[0], out[r])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_attention_rows_split_over_threads_keep_their_bits(kv_dtype):
+    """Rows split over the C thread team (by the keys each reads): 1, 2, 3 and 7 threads, a mask, rows
+    of very different lengths, and a scratch too small (it is grown) give the same bits."""
+    g = gen(31)
+    slots, kv, heads, cap, d = 4, 2, 4, 300, 32
+    slab = (2 * torch.randn(slots, 2, kv, cap, d, generator=g)).to(kv_dtype)
+    keys, values = slab[:, 0], slab[:, 1]
+    n = 9
+    q = torch.randn(n, heads, d, generator=g)
+    where = torch.tensor([0, 3, 1, 1, 2, 0, 3, 2, 1])
+    limits = torch.tensor([1, 300, 7, 8, 150, 2, 299, 40, 9])
+    allowed = (torch.rand(n, cap, generator=g) < 0.7).to(torch.uint8)
+    allowed[:, 0] = 1
+    for mask in (None, allowed):
+        want = native_kernels.attention(q, keys, values, where, limits, mask, 0.3, threads=1)
+        for threads in (2, 3, 7):
+            got = native_kernels.attention(q, keys, values, where, limits, mask, 0.3, torch.empty(1), threads=threads)
+            assert torch.equal(got, want), (threads, mask is None)
+
+
 def test_a_tree_node_gets_the_bits_of_its_chain_twin():
     """Siblings between a node's ancestors are masked: the node's output has the bits of the same
     token on a chain (its keys and values in the same order, nothing between)."""
@@ -272,7 +293,7 @@ def test_one_sequence_runs_a_c_call_per_layer_with_the_per_op_paths_bits(monkeyp
     C call; its logits and its cache are bitwise the per-op path's."""
     model = tiny_llama(2, seed=21)
     fused, per_op = LlamaDecoder(model, numerics="exact"), LlamaDecoder(model, numerics="exact")
-    monkeypatch.setattr(per_op, "_fusable", lambda groups: False)
+    monkeypatch.setattr(per_op, "_fused_plan", lambda groups: None)
     calls = []
     real = native_kernels.decoder_layer
     monkeypatch.setattr(native_kernels, "decoder_layer", lambda *a: (calls.append(1), real(*a))[1])
@@ -285,6 +306,42 @@ def test_one_sequence_runs_a_c_call_per_layer_with_the_per_op_paths_bits(monkeyp
         assert torch.equal(a, b), start
     assert len(calls) == len(feeds) * len(fused.layers)
     assert torch.equal(caches[0].buf[:, :, :, :62], caches[1].buf[:, :, :, :62])
+
+
+def test_many_sessions_over_several_slabs_run_a_c_call_per_layer_with_the_per_op_paths_bits(monkeypatch):
+    """Twenty sessions, more than one pool slab holds, each feeding a block of its own length (a
+    prefill, single rows, k + 1 rows), then a token tree in one slab: each layer is one C call over
+    every session (rows reading their slab through offsets from the first), and every logit and key
+    is bitwise the per-op path's."""
+    from specdec.core.kv_slots import SLAB_SLOTS
+
+    model = tiny_llama(2, seed=33)
+    fused, per_op = LlamaDecoder(model, numerics="exact"), LlamaDecoder(model, numerics="exact")
+    monkeypatch.setattr(per_op, "_fused_plan", lambda groups: None)
+    calls = []
+    real = native_kernels.decoder_layer
+    monkeypatch.setattr(native_kernels, "decoder_layer", lambda *a: (calls.append(1), real(*a))[1])
+    sessions = SLAB_SLOTS + 4
+    caches = [[d.new_cache() for _ in range(sessions)] for d in (fused, per_op)]
+    assert len({c.slab for c in caches[0]}) > 1
+    prompts = [list(range(3 + s, 9 + 2 * s)) for s in range(sessions)]
+    a = fused.forward_batch(caches[0], prompts, [0] * sessions, [1] * sessions)
+    b = per_op.forward_batch(caches[1], prompts, [0] * sessions, [1] * sessions)
+    assert len(calls) == len(fused.layers) and all(torch.equal(x, y) for x, y in zip(a, b))
+    starts = [len(p) for p in prompts]
+    blocks = [[5 + s % 7] * (1 + s % 4) for s in range(sessions)]
+    a = fused.forward_batch(caches[0], blocks, starts, [len(x) for x in blocks])
+    b = per_op.forward_batch(caches[1], blocks, starts, [len(x) for x in blocks])
+    assert len(calls) == 2 * len(fused.layers) and all(torch.equal(x, y) for x, y in zip(a, b))
+    # a tree in the first slab: nodes 1 and 2 both children of node 0 (a mask, one slab: still one call)
+    starts = [s + len(x) for s, x in zip(starts, blocks)]
+    tree = [0, 1, 2]
+    a = fused.forward_batch(caches[0][:2], [tree, [4]], starts[:2], [3, 1], parents=[(-1, 0, 0), ()])
+    b = per_op.forward_batch(caches[1][:2], [tree, [4]], starts[:2], [3, 1], parents=[(-1, 0, 0), ()])
+    assert len(calls) == 3 * len(fused.layers) and all(torch.equal(x, y) for x, y in zip(a, b))
+    written = [start + (3 if s == 0 else 1 if s == 1 else 0) for s, start in enumerate(starts)]
+    for mine, theirs, end in zip(caches[0], caches[1], written):
+        assert torch.equal(mine.buf[:, :, :, :end], theirs.buf[:, :, :, :end])
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -301,22 +358,24 @@ def test_a_fused_layer_with_half_weights_gives_the_bits_of_float32_ones_widened(
     x0 = torch.randn(n, hidden, generator=g)
     kv0 = torch.randn(2, kv, start + n, d, generator=g)
     shape = (heads, kv, d, inter)
-    work = torch.empty(native_kernels.decoder_layer_work(n, hidden, shape, start))
+    rows = native_kernels.causal_rows(start, n, start + n)
+    work = torch.empty(rows.work(hidden, shape, 1))
     results = []
     for cast in (lambda w: w.to(dtype), lambda w: w.to(dtype).float()):
         q, o, gu, down = (native_kernels.NativeLinear(cast(w)) for w in weights)
         x, cache = x0.clone(), kv0.clone()
-        native_kernels.decoder_layer(x, (ln1, q, o, ln2, gu, down), shape, 1e-6, cos_sin, cache[0], cache[1], start, work)
+        native_kernels.decoder_layer(x, (ln1, q, o, ln2, gu, down), shape, 1e-6, cos_sin, cache[0][None], cache[1][None], rows,
+                                     work)
         results.append((x, cache))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert not torch.equal(results[0][0], x0)
     mixed = (ln1, native_kernels.NativeLinear(weights[0].to(dtype)), *(native_kernels.NativeLinear(w) for w in weights[1:2]),
              ln2, *(native_kernels.NativeLinear(w) for w in weights[2:]))
     with pytest.raises(ValueError, match="one weight dtype"):
-        native_kernels.decoder_layer(x0.clone(), mixed, shape, 1e-6, cos_sin, kv0[0].clone(), kv0[1].clone(), start, work)
+        native_kernels.decoder_layer(x0.clone(), mixed, shape, 1e-6, cos_sin, kv0[0][None].clone(), kv0[1][None].clone(), rows, work)
     with pytest.raises(ValueError, match="float32 norm weight"):
         native_kernels.decoder_layer(x0.clone(), (ln1.to(dtype), q, o, ln2, gu, down), shape, 1e-6, cos_sin,
-                                     kv0[0].clone(), kv0[1].clone(), start, work)
+                                     kv0[0][None].clone(), kv0[1][None].clone(), rows, work)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
@@ -340,8 +399,9 @@ def test_a_fused_layer_has_the_same_bits_at_any_thread_count_and_beside_another_
 
     def run(threads: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, cache = x0.clone(), kv0.clone()
-        work = torch.empty(native_kernels.decoder_layer_work(n, hidden, shape, start))
-        native_kernels.decoder_layer(x, layer, shape, 1e-6, cos_sin, cache[0], cache[1], start, work, threads)
+        rows = native_kernels.causal_rows(start, n, start + n)
+        work = torch.empty(rows.work(hidden, shape, threads))
+        native_kernels.decoder_layer(x, layer, shape, 1e-6, cos_sin, cache[0][None], cache[1][None], rows, work, threads)
         return x, cache
 
     want = run(1)

@@ -423,11 +423,28 @@ static void gemm_of(int wt, GEMM_ARGS) {
 
 /* ---------------------------------------------------------------- a team of threads for one layer
  * The layer's GEMMs split by panels (columns) over ``threads``: each output is still computed by one
- * thread, in the one order, so the split never changes a bit. Helpers are created on first use and
- * wait on a condition variable between GEMMs (no spinning: on 2 cores a spinning helper would take
- * the core another process needs). One caller at a time: a call that finds the team busy (another
- * Python thread's forward) runs its GEMM alone. */
+ * thread, in the one order, so the split never changes a bit. Helpers are created on first use; between
+ * jobs they spin for a moment (a layer's next GEMM follows within microseconds, and waking a sleeping
+ * thread costs about as much as a small GEMM's share), then wait on a condition variable (no long spin:
+ * on 2 cores a spinning helper would take the core another process needs). One caller at a time: a
+ * call that finds the team busy (another Python thread's forward) runs its GEMM alone. */
 #define MAX_TEAM 16
+#define TEAM_SPINS 4000 /* pause instructions a helper (or the caller) spins before it sleeps */
+
+typedef struct { /* one attention call (the `attention` arguments) and each thread's scratch, split by rows */
+  const float *q;
+  int64_t rows, ldq, heads, kv_heads, d;
+  const void *keys, *values;
+  const int64_t *slot;
+  int64_t slot_stride, head_stride, pos_stride;
+  const int64_t *limit;
+  const uint8_t *allowed;
+  int64_t allowed_len;
+  float scale;
+  float *out, *scratch;
+  int64_t scratch_stride;
+  int bf16;
+} attention_job;
 
 typedef struct {
   int wt;
@@ -436,6 +453,7 @@ typedef struct {
   const void *packed;
   float *y;
   int parts;
+  const attention_job *att; /* set: the job is this attention, not a GEMM */
 } team_job;
 
 static pthread_mutex_t team_lock = PTHREAD_MUTEX_INITIALIZER; /* one caller at a time */
@@ -445,7 +463,32 @@ static int team_size = 0, team_pending = 0;
 static long team_round = 0, team_born[MAX_TEAM]; /* a member starts waiting for the round after its birth's */
 static team_job team_work;
 
+/* The first row of part ``part`` of ``parts``: rows split where the keys read so far (the sum of limits,
+ * each row's cost) cross part / parts of the total. Each row is still computed whole by one thread. */
+static int64_t attention_split(const attention_job *a, int part, int parts) {
+  if (part <= 0) return 0;
+  if (part >= parts) return a->rows;
+  int64_t total = 0, seen = 0;
+  for (int64_t r = 0; r < a->rows; r++) total += a->limit[r] + 1;
+  const int64_t want = total * part / parts;
+  int64_t r = 0;
+  while (r < a->rows && seen + a->limit[r] + 1 <= want) seen += a->limit[r++] + 1;
+  return r;
+}
+
+static void attention_part(const attention_job *a, int part, int parts) {
+  const int64_t r0 = attention_split(a, part, parts), r1 = attention_split(a, part + 1, parts);
+  if (r1 <= r0) return;
+  attention(a->q + r0 * a->ldq, r1 - r0, a->ldq, a->heads, a->kv_heads, a->d, a->keys, a->values, a->slot + r0,
+            a->slot_stride, a->head_stride, a->pos_stride, a->limit + r0, a->allowed ? a->allowed + r0 * a->allowed_len : 0,
+            a->allowed_len, a->scale, a->out + r0 * a->heads * a->d, a->scratch + part * a->scratch_stride, a->bf16);
+}
+
 static void team_part(const team_job *j, int part) {
+  if (j->att) {
+    attention_part(j->att, part, j->parts);
+    return;
+  }
   const int64_t p0 = j->panels * part / j->parts, p1 = j->panels * (part + 1) / j->parts;
   if (p1 > p0) gemm_of(j->wt, j->x, j->m, j->k, j->packed, j->n, j->y, p0, p1);
 }
@@ -454,6 +497,7 @@ static void *team_member(void *arg) {
   const int part = (int)(intptr_t)arg; /* 1..team_size */
   long seen = team_born[part];
   for (;;) {
+    for (int i = 0; i < TEAM_SPINS && __atomic_load_n(&team_round, __ATOMIC_ACQUIRE) == seen; i++) _mm_pause();
     pthread_mutex_lock(&team_mu);
     while (team_round == seen) pthread_cond_wait(&team_go, &team_mu);
     seen = team_round;
@@ -461,19 +505,18 @@ static void *team_member(void *arg) {
     pthread_mutex_unlock(&team_mu);
     if (part < job.parts) team_part(&job, part);
     pthread_mutex_lock(&team_mu);
-    if (--team_pending == 0) pthread_cond_signal(&team_done);
+    if (__atomic_sub_fetch(&team_pending, 1, __ATOMIC_RELEASE) == 0) pthread_cond_signal(&team_done);
     pthread_mutex_unlock(&team_mu);
   }
   return NULL;
 }
 
-/* y = x @ W^T with ``threads`` threads (this one included); alone where the team is busy or cannot grow. */
-static void gemm_team(int threads, int wt, const float *x, int64_t m, int64_t k, const void *packed, int64_t n, float *y) {
-  const int64_t panels = (n + NR - 1) / NR;
+/* ``job`` split over ``threads`` threads (this one included); alone where the team is busy or cannot grow. */
+static void team_run(int threads, team_job job) {
   if (threads > MAX_TEAM) threads = MAX_TEAM;
-  if (threads > panels) threads = (int)panels;
   if (threads <= 1 || pthread_mutex_trylock(&team_lock) != 0) {
-    gemm_of(wt, x, m, k, packed, n, y, 0, panels);
+    job.parts = 1;
+    team_part(&job, 0);
     return;
   }
   while (team_size < threads - 1) {
@@ -484,19 +527,42 @@ static void gemm_team(int threads, int wt, const float *x, int64_t m, int64_t k,
     team_size++;
   }
   if (threads > team_size + 1) threads = team_size + 1;
-  const team_job job = {wt, x, m, k, n, panels, packed, y, threads};
+  job.parts = threads;
   pthread_mutex_lock(&team_mu);
   team_work = job;
-  team_pending = team_size;
-  team_round++;
+  __atomic_store_n(&team_pending, team_size, __ATOMIC_RELAXED);
+  __atomic_store_n(&team_round, team_round + 1, __ATOMIC_RELEASE); /* (a spinning helper reads it, then the job under the lock) */
   pthread_cond_broadcast(&team_go);
   pthread_mutex_unlock(&team_mu);
   team_part(&job, 0);
+  for (int i = 0; i < TEAM_SPINS && __atomic_load_n(&team_pending, __ATOMIC_ACQUIRE) > 0; i++) _mm_pause();
   pthread_mutex_lock(&team_mu);
   while (team_pending > 0) pthread_cond_wait(&team_done, &team_mu);
   pthread_mutex_unlock(&team_mu);
   pthread_mutex_unlock(&team_lock);
 }
+
+/* y = x @ W^T with ``threads`` threads, split by panels (columns). */
+static void gemm_team(int threads, int wt, const float *x, int64_t m, int64_t k, const void *packed, int64_t n, float *y) {
+  const int64_t panels = (n + NR - 1) / NR;
+  const team_job job = {wt, x, m, k, n, panels, packed, y, 1, 0};
+  team_run(threads > panels ? (int)panels : threads, job);
+}
+
+/* `attention` with ``threads`` threads, split by rows (each row whole on one thread: the same bits at
+ * any count); thread t's scratch at scratch + t * scratch_stride (at least max(limit) + LANES floats). */
+static void attention_team(int threads, const attention_job *a) {
+  const team_job job = {0, 0, 0, 0, 0, 0, 0, 0, 1, a};
+  team_run(threads > a->rows ? (int)a->rows : threads, job);
+}
+
+#define ATTENTION_THREADS_CALL(bf16)                                                                                 \
+  const attention_job job = {q, rows, ldq, heads, kv_heads, d, keys, values, slot, slot_stride, head_stride,          \
+                             pos_stride, limit, allowed, allowed_len, scale, out, scratch, scratch_stride, bf16};      \
+  attention_team(threads, &job)
+
+void specdec_attention_threads(ATTENTION_ARGS, int64_t scratch_stride, int threads) { ATTENTION_THREADS_CALL(0); }
+void specdec_attention_threads_bf16(ATTENTION_ARGS, int64_t scratch_stride, int threads) { ATTENTION_THREADS_CALL(1); }
 
 /* y = x @ W^T over every panel of weight type ``wt``, split by columns over ``threads`` (`gemm_team`). */
 void specdec_gemm_threads(int wt, const float *x, int64_t m, int64_t k, const void *packed, int64_t n, float *y,
@@ -504,19 +570,23 @@ void specdec_gemm_threads(int wt, const float *x, int64_t m, int64_t k, const vo
   gemm_team(threads, wt, x, m, k, packed, n, y);
 }
 
-/* ---------------------------------------------------------------- one decoder layer, one sequence
- * The exact path's layer for one sequence's rows in one call: the same kernels, in the same order, as
- * the per-op path (core/llama_decode.py `layers_with`), so a row's bits are the same either way; what
- * it saves is the Python between them. x [n, hidden] is updated in place; row r sits at position
- * start + r and sees positions 0..start + r of the layer's keys/values (``pos_stride`` apart, KV head
- * g at g * head_stride), where its own key and value are written first; the four projections' panels
- * are of weight type ``wt``, keys and values float32. ``work``: at least
- * n * (2 * hidden + qkv_out + (heads + kv) * d + heads * d + 3 * inter) + start + n + LANES floats. */
-void specdec_decoder_layer(float *x, int64_t n, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d,
-                           int64_t inter, const float *ln1, const float *ln2, float eps, const void *qkv_w,
-                           const void *o_w, const void *gu_w, const void *down_w, const float *cos_sin, float *keys,
-                           float *values, int64_t head_stride, int64_t pos_stride, int64_t start, float scale, float *work,
-                           int wt, int threads) {
+/* ---------------------------------------------------------------- one decoder layer in one call
+ * The exact path's layer for a batch's rows in one call: the same kernels, in the same order, as the
+ * per-op path (core/llama_decode.py `layers_with`), so a row's bits are the same either way; what it
+ * saves is the Python between them. x [n, hidden] is updated in place; row r writes its key and value
+ * at position positions[r] of sequence slot slots[r] (keys + slot * slot_stride + g * head_stride +
+ * position * pos_stride, KV head g), then sees that slot's positions below limits[r], and of those
+ * where allowed[r * allowed_len + j] != 0 when ``allowed`` is given; the four projections' panels are
+ * of weight type ``wt``, keys and values float32. ``work``: at least
+ * n * (2 * hidden + qkv_out + (heads + kv) * d + heads * d + 3 * inter) + threads * scratch_stride
+ * floats, scratch_stride >= max(limits) + LANES. */
+void specdec_decoder_layer_rows(float *x, int64_t n, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d,
+                                int64_t inter, const float *ln1, const float *ln2, float eps, const void *qkv_w,
+                                const void *o_w, const void *gu_w, const void *down_w, const float *cos_sin, float *keys,
+                                float *values, int64_t slot_stride, int64_t head_stride, int64_t pos_stride,
+                                const int64_t *slots, const int64_t *positions, const int64_t *limits,
+                                const uint8_t *allowed, int64_t allowed_len, float scale, float *work,
+                                int64_t scratch_stride, int wt, int threads) {
   const int64_t qkv_out = (heads + 2 * kv_heads) * d, qk_width = (heads + kv_heads) * d;
   float *normed = work, *qkv = normed + n * hidden, *qk = qkv + n * qkv_out, *att = qk + n * qk_width;
   float *tmp = att + n * heads * d, *gu = tmp + n * hidden, *act = gu + n * 2 * inter, *scratch = act + n * inter;
@@ -525,14 +595,12 @@ void specdec_decoder_layer(float *x, int64_t n, int64_t hidden, int64_t heads, i
   specdec_rotary(qkv, n, qkv_out, heads + kv_heads, d, cos_sin, qk);
   for (int64_t r = 0; r < n; r++)
     for (int64_t g = 0; g < kv_heads; g++) {
-      const int64_t at = g * head_stride + (start + r) * pos_stride;
+      const int64_t at = slots[r] * slot_stride + g * head_stride + positions[r] * pos_stride;
       memcpy(keys + at, qk + r * qk_width + (heads + g) * d, (size_t)d * sizeof(float));
       memcpy(values + at, qkv + r * qkv_out + qk_width + g * d, (size_t)d * sizeof(float));
     }
-  int64_t slot[n], limit[n];
-  for (int64_t r = 0; r < n; r++) slot[r] = 0, limit[r] = start + r + 1;
-  specdec_attention(qk, n, qk_width, heads, kv_heads, d, keys, values, slot, 0, head_stride, pos_stride, limit, 0, 0,
-                    scale, att, scratch);
+  specdec_attention_threads(qk, n, qk_width, heads, kv_heads, d, keys, values, slots, slot_stride, head_stride,
+                            pos_stride, limits, allowed, allowed_len, scale, att, scratch, scratch_stride, threads);
   gemm_team(threads, wt, att, n, heads * d, o_w, hidden, tmp);
   for (int64_t i = 0; i < n * hidden; i++) x[i] += tmp[i];
   specdec_rms_norm(x, n, hidden, hidden, ln2, eps, normed);
