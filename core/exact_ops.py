@@ -243,6 +243,8 @@ def _as_slice(index: torch.Tensor) -> torch.Tensor | slice:
 
 def runs(starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
     """[sum(lengths)]: s, s + 1, ..., s + n - 1 for each (s, n), in one pass (no tensor per sequence)."""
+    if len(starts) == 1:
+        return torch.arange(starts[0], starts[0] + lengths[0])
     starts, lengths = torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
     before = torch.cumsum(lengths, 0) - lengths  # each run's first row
     return torch.repeat_interleave(starts - before, lengths) + torch.arange(int(lengths.sum()))
