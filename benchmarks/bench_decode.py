@@ -79,8 +79,8 @@ def main() -> int:
         from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 
         base = free_ports(3)
-        procs = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--target", args.target, "--draft", args.draft,
-                                  "--base-port", str(base)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--topology", "split", "--target", args.target,
+                                  "--draft", args.draft, "--base-port", str(base)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         channel = grpc.insecure_channel(f"127.0.0.1:{base}")
         stub = generation_pb2_grpc.GenerationStub(channel)
         deadline = time.time() + 120

@@ -40,7 +40,7 @@ METHODS = (  # (name, deployment, drafter, k)
 
 def start(base: int, redis_url: str, extra: list[str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as f:
-        return subprocess.Popen([sys.executable, "-m", "specdec", "up", "--base-port", str(base), "--redis-url", redis_url,
+        return subprocess.Popen([sys.executable, "-m", "specdec", "up", "--topology", "split", "--base-port", str(base), "--redis-url", redis_url,
                                  "--threads", "1", "--http-port", "-1", *extra],
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -1,7 +1,7 @@
 """The HTTP API against the gRPC API on one running deployment: tokens/s and time to first token at
 1 and 16 concurrent streams.
 
-Starts `specdec up` (three processes, sessions in Redis) with the demo pair, then, per round, for
+Starts `specdec up` (its default topology, sessions in Redis) with the demo pair, then, per round, for
 each concurrency level, streams the same greedy requests once over gRPC (`GenerateStream`) and once
 over HTTP (`POST /v1/completions`, `stream: true`, read as server-sent events with httpx), the two
 alternated and their order swapped each round (a machine's speed drifts by more than the

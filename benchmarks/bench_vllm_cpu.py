@@ -9,7 +9,7 @@ to first token and inter-token latency p50/p99 at N concurrent streams, the text
 Servers (--servers, comma-separated), one at a time (never two on the same cores), each started,
 warmed up (2 streams, not counted), driven through every level of --streams, then torn down fully
 (its whole process group gone) before the next starts; the order rotates each round:
-  specdec     `specdec up` (three processes, sessions in Redis) with the demo pair and its defaults,
+  specdec     `specdec up` (colocated by default, sessions in Redis) with the demo pair and its defaults,
               plus --specdec-args; its OpenAI-compatible HTTP API at the address it prints
   vllm        `vllm serve` on the demo target in float32, no speculation
   vllm-spec   the same with the demo draft as its speculative model, k = 3

@@ -497,7 +497,8 @@ async def check_speed(plan: Plan, engines: Engines, demo: Pair, rand: Pair) -> d
 # ----------------------------------------------------------------------------- (c) distributed
 def up_argv(plan: Plan, pair: Pair, dtype: str, base_port: int) -> list[str]:
     """``specdec up``'s arguments: target on plan.device, drafter on the CPU, sessions in memory, no HTTP API."""
-    return ["up", "--target", pair.target, "--draft", pair.draft, "--base-port", str(base_port), "--redis-url=", "--http-port=-1",
+    return ["up", "--topology", "split", "--target", pair.target, "--draft", pair.draft, "--base-port", str(base_port),
+            "--redis-url=", "--http-port=-1",
             "--threads", str(plan.threads or 4), "--device", plan.device, "--draft-device", "cpu", "--dtype", dtype,
             "--numerics", "auto"]
 

@@ -152,7 +152,8 @@ class Deployment:
         base = free_base_port()
         log = config.out / "specdec-up.log"
         with open(log, "wb") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--target", config.target, "--draft", config.draft,
+            proc = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--topology", "split",  # the drafter a process apart
+                                     "--target", config.target, "--draft", config.draft,
                                      "--base-port", str(base), "--redis-url", config.redis_url,
                                      "--threads", str(config.threads or 1),
                                      "--draft-min-confidence", str(config.draft_min_confidence),
