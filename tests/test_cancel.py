@@ -116,8 +116,10 @@ async def test_stream_deadline_frees_sessions(cluster):
                 received.extend(msg.token_ids)
                 finished = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
         except grpc.aio.AioRpcError as err:
-            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not finished
-            break
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            if not finished:
+                break  # the deadline passed mid-stream: the case under test
+            # (it passed after the last step but before the stream closed: try a shorter one)
         assert finished
         await assert_all_freed(cluster)
     else:

@@ -284,8 +284,9 @@ def test_generate_with_explicit_cpu_flags_gives_the_default_output(tiny_pair, ca
     assert json.loads(stdout)["token_ids"] == default
 
 
-def test_up_passes_every_process_the_resolved_placement(no_cuda, monkeypatch, tiny_pair):
-    from specdec import cli
+@pytest.mark.parametrize("topology, processes", [("colocated", 2), ("split", 3)])
+def test_up_passes_every_process_the_resolved_placement(no_cuda, monkeypatch, tiny_pair, topology, processes):
+    from specdec import cli, up
 
     started = []
 
@@ -301,11 +302,11 @@ def test_up_passes_every_process_the_resolved_placement(no_cuda, monkeypatch, ti
         def wait(self, timeout=None):
             return 0
 
-    monkeypatch.setattr(cli.subprocess, "Popen", Exited)
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(up.subprocess, "Popen", Exited)
+    monkeypatch.setattr(up.signal, "signal", lambda *a: None)
     target, draft = tiny_pair
-    assert cli.main(["up", "--target", target, "--draft", draft, "--draft-device", "cpu"]) == 1
-    assert len(started) == 3
+    assert cli.main(["up", "--target", target, "--draft", draft, "--draft-device", "cpu", "--topology", topology]) == 1
+    assert len(started) == processes
     for argv in started:
         flags = dict(zip(argv, argv[1:]))
         assert (flags["--device"], flags["--dtype"], flags["--draft-device"], flags["--draft-dtype"], flags["--runner"]) == \
