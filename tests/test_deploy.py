@@ -27,7 +27,8 @@ GRPC_PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
 METRICS_PORT = 9400
 HEALTH_PORT = 8081  # `serve --health-port`: grpc.health.v1 only, plaintext, what the kubelet probes
 SERVER_DRAIN_S = 5  # ServerConfig.grace_s: how long in-flight RPCs get after SIGTERM
-OVERLAYS = ("dev", "gpu", "gpu+tls")  # gpu+tls: the gpu overlay with components/tls (built in a temp dir)
+# gpu+tls, gpu+tp: the gpu overlay with components/tls, components/tensor-parallel (built in a temp dir)
+OVERLAYS = ("dev", "gpu", "gpu+tls", "gpu+tp")
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -49,13 +50,14 @@ def _render(directory: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict]]:
     out = {"dev": _render(DEPLOY / "overlays" / "dev"), "gpu": _render(DEPLOY / "overlays" / "gpu")}
-    with tempfile.TemporaryDirectory(prefix="specdec-deploy-") as tmp:
-        # kustomize takes only relative paths to other kustomizations.
-        rel = os.path.relpath(DEPLOY, tmp)
-        (Path(tmp) / "kustomization.yaml").write_text(
-            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-            f"resources:\n  - {rel}/overlays/gpu\ncomponents:\n  - {rel}/components/tls\n")
-        out["gpu+tls"] = _render(Path(tmp))
+    for name, component in (("gpu+tls", "tls"), ("gpu+tp", "tensor-parallel")):
+        with tempfile.TemporaryDirectory(prefix="specdec-deploy-") as tmp:
+            # kustomize takes only relative paths to other kustomizations.
+            rel = os.path.relpath(DEPLOY, tmp)
+            (Path(tmp) / "kustomization.yaml").write_text(
+                "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+                f"resources:\n  - {rel}/overlays/gpu\ncomponents:\n  - {rel}/components/{component}\n")
+            out[name] = _render(Path(tmp))
     return out
 
 
@@ -274,7 +276,7 @@ GPU_TARGET_FLAGS = {"device": "cuda", "dtype": "bfloat16"}
 GPU_DRAFT_FLAGS = {"draft-device": "cpu"}
 
 
-@pytest.mark.parametrize("overlay", ("gpu", "gpu+tls"))
+@pytest.mark.parametrize("overlay", ("gpu", "gpu+tls", "gpu+tp"))
 def test_gpu_runs_the_target_on_cuda_in_bfloat16_and_the_drafters_on_cpu(rendered, overlay: str) -> None:
     docs = rendered[overlay]
     target = _flags(_container(_role(docs, "target")))
@@ -296,6 +298,65 @@ def test_the_gpu_flags_are_the_clis():
     assert (target.device, target.dtype, target.kv_memory_fraction) == ("cuda", "bfloat16", 0.85)
     draft = build_parser().parse_args(["serve", "draft", *common, "--draft-device=cpu"])
     assert draft.draft_device == "cpu"
+
+
+def _args_flag(container: dict, name: str) -> str:
+    """The value of --name=... as specdec reads it: the last one given."""
+    return [a.split("=", 1)[1] for a in container["args"] if a.startswith(f"--{name}=")][-1]
+
+
+def test_gpu_tp_is_one_pod_of_n_gpus_per_verifier(rendered) -> None:
+    """components/tensor-parallel: each target pod is one tensor-parallel group; --tensor-parallel N,
+    N GPUs asked for (request = limit), N ranks' threads within its CPU limit, a /dev/shm in memory
+    for the ranks; one container (the ranks are its processes); everything else is the gpu overlay's."""
+    gpu, tp = rendered["gpu"], rendered["gpu+tp"]
+    deployment = _role(tp, "target")
+    container = _container(deployment)  # (one container: it raises on more)
+    n = int(_args_flag(container, "tensor-parallel"))
+    assert n >= 2
+    resources = container["resources"]
+    assert int(resources["limits"]["nvidia.com/gpu"]) == int(resources["requests"]["nvidia.com/gpu"]) == n
+    assert int(_args_flag(container, "threads")) * n <= int(resources["limits"]["cpu"])
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    # the group's flags on top of the gpu overlay's: the same command otherwise
+    base = _container(_role(gpu, "target"))["args"]
+    assert container["args"][:len(base)] == base
+    assert {a.split("=", 1)[0] for a in container["args"][len(base):]} == {"--tensor-parallel", "--threads"}
+    for role in ("orchestrator", "draft"):
+        assert _role(tp, role) == _role(gpu, role)
+    assert {(d["kind"], d["metadata"]["name"]) for d in tp} == {(d["kind"], d["metadata"]["name"]) for d in gpu}
+
+
+def test_the_autoscaler_counts_a_tensor_parallel_group_as_one_verifier(rendered) -> None:
+    """It scales the target Deployment's replicas and scrapes its pods through the headless Service,
+    one metrics address per pod: with components/tensor-parallel a pod is one group of N ranks (rank
+    0 serves the pod's only metrics port; the other ranks are processes in the same container, with no
+    port of their own), so a replica, and a scraped pod, is one verifier of N GPUs. (A real two-rank
+    verifier's /metrics as the autoscaler reads it: tests/test_tensor_parallel_serving.py.)"""
+    from specdec.autoscale.flags import Deployments
+
+    docs = rendered["gpu+tp"]
+    autoscaler = _container(_objects(docs, "Deployment")["specdec-autoscaler"])
+    flags = _flags(autoscaler)
+    assert flags.get("target-deployment", Deployments.target) == "specdec-target"
+    target = _role(docs, "target")
+    assert [p["name"] for p in _container(target)["ports"] if p["name"] == "metrics"] == ["metrics"]
+    service = _objects(docs, "Service")[flags["target-metrics"].rpartition(":")[0]]["spec"]
+    assert service["clusterIP"] == "None" and service["selector"] == target["spec"]["template"]["metadata"]["labels"]
+    assert [p for p in service["ports"] if p["name"] == "metrics"] == [{"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}]
+
+
+def test_tensor_parallel_on_cuda_is_refused_until_nccl_is_built() -> None:
+    """A tripwire: components/tensor-parallel says its pods cannot start yet, because `serve target`
+    refuses --tensor-parallel N on CUDA. When NCCL sharding lands this fails: update that comment."""
+    from specdec.core.tensor_parallel import TensorParallelError
+    from specdec.target.engine import TargetConfig
+    from specdec.target.tp_ranks import check_tensor_parallel
+
+    with pytest.raises(TensorParallelError, match="on CUDA .* is not built yet"):
+        check_tensor_parallel(TargetConfig("/models/target", device="cuda", tensor_parallel=2), None)
 
 
 def test_dev_runs_every_role_on_cpu(rendered) -> None:
