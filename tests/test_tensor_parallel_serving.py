@@ -19,6 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.autoscale.observe import MetricsTargets, Observer
 from specdec.ports import free_ports
 from specdec.v1 import common_pb2, generation_pb2_grpc, verifier_pb2_grpc
 from specdec.v1 import generation_pb2 as pb
@@ -108,8 +109,9 @@ def test_a_follower_rank_killed_mid_stream_loses_no_session_and_changes_no_token
     two-rank verifier when its follower rank is SIGKILLed, just after the first tokens, gives exactly
     the uninterrupted target-only greedy tokens of one process: rank 0 exits (status 3), the
     orchestrator resumes the session on the plain verifier (one failover), and the stored session
-    holds the whole completion."""
-    base = free_ports(3)
+    holds the whole completion. Before the kill the autoscaler's observer, reading the two verifiers'
+    /metrics, counts two verifier pods (three processes) with verify rounds going on."""
+    base = free_ports(5)  # orchestrator, the two verifiers, their two metrics ports
     orch_address = f"127.0.0.1:{base}"
     # Equal loads go to the address that sorts first: the two-rank verifier's (placement is asserted below anyway).
     tp_address, plain_address = sorted(f"127.0.0.1:{p}" for p in (base + 1, base + 2))
@@ -117,8 +119,9 @@ def test_a_follower_rank_killed_mid_stream_loses_no_session_and_changes_no_token
     models = ["--target", TARGET, "--draft", DRAFT, "--threads", "1"]
     commands = {
         "tp": [*serve, "target", "--port", tp_address.rsplit(":", 1)[1], *models, "--in-verifier-drafters", "all",
-               "--tensor-parallel", "2"],
-        "plain": [*serve, "target", "--port", plain_address.rsplit(":", 1)[1], *models, "--in-verifier-drafters", "all"],
+               "--tensor-parallel", "2", "--metrics-port", str(base + 3)],
+        "plain": [*serve, "target", "--port", plain_address.rsplit(":", 1)[1], *models, "--in-verifier-drafters", "all",
+                  "--metrics-port", str(base + 4)],
         "orchestrator": [*serve, "orchestrator", "--port", str(base), "--target", TARGET, "--verifier-address",
                          f"{tp_address},{plain_address}", "--drafter-address", "", "--redis-url", redis_url],
     }
@@ -148,10 +151,15 @@ def test_a_follower_rank_killed_mid_stream_loses_no_session_and_changes_no_token
             # open), so a stream may land on the plain verifier: each one is an uninterrupted run
             # (compared too), and the next is tried until one holds the two-rank verifier.
             held: list[int] = []
+            # The autoscaler's view of the target pool (each metrics address one pod): the group is one verifier.
+            observer = Observer(MetricsTargets(target=tuple(("127.0.0.1", base + i) for i in (3, 4))))
+            observer.observe()
+            seen_by_autoscaler = []
 
             def kill_the_follower_if_its_session_is_here() -> None:
                 held.append(active_sessions(tp_address))
                 if held[-1]:
+                    seen_by_autoscaler.append(observer.observe().target)
                     os.kill(follower, signal.SIGKILL)
 
             for _ in range(6):
@@ -161,6 +169,9 @@ def test_a_follower_rank_killed_mid_stream_loses_no_session_and_changes_no_token
                     break
                 time.sleep(1.5)  # past the pool's status TTL: the next placement sees fresh loads
             assert held[-1] == 1, f"no stream of {len(held)} was placed on the two-rank verifier"
+            (load,) = seen_by_autoscaler  # three processes, two verifiers; rank 0's page counts its group's rounds
+            assert load.pods == 2 and load.verify_rounds_per_s > 0
+            observer.close()
             stored = stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=30)
             assert list(stored.output_token_ids) == one_rank_greedy  # the session is whole in the store
         assert rank0.wait(60) == 3  # the group broke: rank 0 exited, as a served verifier does on a lost rank
