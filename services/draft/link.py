@@ -15,6 +15,8 @@ log = logging.getLogger(__name__)
 
 
 class LocalDraftLink:
+    in_process = True  # drafts on the engine's thread, which an in-verifier or one-process verifier shares
+
     def __init__(self, engine: DraftEngine) -> None:
         self._engine = engine
         self._inbox = BlockInbox()

@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from specdec.core.errors import InvalidRequest, SpecdecError
+from specdec.core.features import needs_features, needs_row_tokens
+from specdec.core.sampling import VerificationRule
 from specdec.core.sessions import short_id
 from specdec.core.steps import MAX_STEP_TOKENS, DraftLink, DraftProposal, SessionRun, SessionSpec, StepCommit, StepOutcome
 from specdec.target.scheduler import SessionPlan, StepTicket, VerifierScheduler
@@ -66,10 +68,20 @@ class VerifierLoop:
         link = self.link_factory(self.run)
         self.plan = self.scheduler.admit(self.run)
         try:
-            opened = await asyncio.gather(self.scheduler.start(self.plan), self._open_link(link, spec), return_exceptions=True)
-            if isinstance(opened[0], BaseException):
-                raise opened[0]
-            self.link = opened[1] if not isinstance(opened[1], BaseException) else None
+            if self._first_token_first(link):
+                await self.scheduler.start(self.plan)
+                self.plan.k = 0  # the first step drafts nothing: its token comes before the drafter's prefill
+                self._last_attempt = time.monotonic()  # (no reconnect: the link opens just below)
+                commit = await self._step()
+                yield commit
+                if commit.finished:
+                    return
+                self.link = await self._open_link(link, dataclasses.replace(spec, prompt_ids=tuple(self.committed)))
+            else:
+                opened = await asyncio.gather(self.scheduler.start(self.plan), self._open_link(link, spec), return_exceptions=True)
+                if isinstance(opened[0], BaseException):
+                    raise opened[0]
+                self.link = opened[1] if not isinstance(opened[1], BaseException) else None
             self._tell_drafter(())
             while True:
                 commit = await self._step()
@@ -86,6 +98,16 @@ class VerifierLoop:
             except asyncio.CancelledError:
                 await release
                 raise
+
+    def _first_token_first(self, link: DraftLink | None) -> bool:
+        """Whether the session's first step runs before its drafter opens. Where the drafter drafts on
+        the verifier's own model thread, its prefill and first block would otherwise come before the
+        first token (TTFT). Only where a step's k changes no token (greedy, or the coupled rule) and
+        the drafter reads nothing of the target's forward (features, row tokens)."""
+        spec = self.run.spec
+        return (getattr(link, "in_process", False)
+                and (spec.sampling.temperature == 0 or spec.sampling.rule is VerificationRule.COUPLED)
+                and not needs_features(spec.drafter) and not needs_row_tokens(spec.drafter))
 
     async def _open_link(self, link: DraftLink | None, spec: SessionSpec) -> DraftLink | None:
         self._last_attempt = time.monotonic()
