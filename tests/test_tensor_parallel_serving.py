@@ -1,6 +1,7 @@
 """A tensor-parallel verifier as a user runs it: real processes, two gloo ranks on the demo pair.
 
-`specdec generate --tensor-parallel 2` gives one rank's greedy token ids; a served two-rank verifier
+`specdec generate --tensor-parallel 2` gives one rank's greedy token ids, and so does `specdec up
+--tensor-parallel 2` over gRPC while speculating; a served two-rank verifier
 in a pool of two, whose follower rank is killed mid-stream, loses no session and changes no token
 (rank 0 exits, the orchestrator resumes the session on the other verifier).
 (The engine-level checks: tests/test_tensor_parallel.py.)"""
@@ -190,3 +191,34 @@ def test_a_follower_rank_killed_mid_stream_loses_no_session_and_changes_no_token
     assert "exiting so that this verifier's sessions resume on another" in tp_log, tp_log
     resumed = [line for line in orch_log.splitlines() if "resuming on another replica" in line]
     assert len(resumed) == 1 and tp_address in resumed[0], orch_log  # one failover, away from the two-rank verifier
+
+
+def test_up_at_two_ranks_serves_one_ranks_greedy_text(one_rank_greedy, redis_url, tmp_path):
+    """`specdec up --tensor-parallel 2` (colocated: an orchestrator, and a verifier of two ranks that
+    drafts its own sessions): a greedy request over gRPC, speculating, gives one process's target-only
+    tokens; the verifier's follower rank runs beside it; `up` stops them all on SIGTERM."""
+    base = free_ports(6)
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--target", TARGET, "--draft", DRAFT,
+                                 "--tensor-parallel", "2", "--threads", "1", "--base-port", str(base),
+                                 "--redis-url", redis_url, "--http-port", "-1"],
+                                stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    try:
+        wait_healthy(f"127.0.0.1:{base}", proc, log_path)
+        with grpc.insecure_channel(f"127.0.0.1:{base}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            fixed = common_pb2.SpeculationPolicy(mode=common_pb2.SPECULATION_MODE_FIXED, num_speculative_tokens=3)
+            reply = stub.Generate(pb.GenerateRequest(text=PROMPT, max_new_tokens=48, speculation=fixed,
+                                                     sampling=common_pb2.SamplingParams(temperature=0)), timeout=300)
+        assert list(reply.token_ids) == one_rank_greedy[:48]
+        assert reply.stats.draft_tokens > 0  # it speculated, through the two ranks
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        verifier = [p for p in children if "target" in open(f"/proc/{p}/cmdline").read().split("\0")]
+        assert len(children) == 2 and len(verifier) == 1  # colocated: an orchestrator and a verifier
+        ranks = subprocess.run(["pgrep", "-P", verifier[0]], capture_output=True, text=True).stdout.split()
+        assert any("specdec.target.tp_ranks" in open(f"/proc/{r}/cmdline").read() for r in ranks), "no follower rank"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, log_path.read_text()
