@@ -222,3 +222,21 @@ def test_up_at_two_ranks_serves_one_ranks_greedy_text(one_rank_greedy, redis_url
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     assert proc.returncode == 0, log_path.read_text()
+
+
+def test_exact_bfloat16_at_two_ranks_speculates_to_its_own_k0_tokens():
+    """Exact numerics at N = 2 with bfloat16 weights: speculative greedy decoding (k = 3) gives the
+    very tokens of the same two ranks' k = 0 (a row's bits do not depend on what shares its forward)."""
+    def ids(k: int) -> tuple[list[int], int]:
+        out = subprocess.run([sys.executable, "-m", "specdec", "generate", PROMPT, "--target", TARGET, "--draft", DRAFT,
+                              "--max-new-tokens", "40", "-k", str(k), "--threads", "1", "--tensor-parallel", "2",
+                              "--dtype", "bfloat16", "--numerics", "exact", "--json"],
+                             capture_output=True, text=True, timeout=300, env=ENV, check=False)
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        return [int(t) for t in result["token_ids"]], result["stats"]["draft_tokens"]
+
+    plain, none = ids(0)
+    speculated, drafted = ids(3)
+    assert none == 0 and drafted > 0 and len(plain) == 40
+    assert speculated == plain
