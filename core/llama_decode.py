@@ -657,8 +657,7 @@ class LlamaDecoder:
         or several slabs of this decoder's pool (causal rows), read through offsets from the first.
         Returns the group whose keys a layer's call takes, and the rows; None: layer by layer in Python."""
         if self._fused_macs is None or not all(isinstance(g, exact_ops.ExactGroup) and g.native
-                                               and g.write is not None and isinstance(g.write[0], slice)
-                                               and g.write[0].step in (None, 1) for g in groups):
+                                               and g.write is not None and isinstance(g.write[0], slice) for g in groups):
             return None
         groups = sorted(groups, key=lambda g: g.write[0].start)
         if groups[0].write[0].start != 0 or any(a.write[0].stop != b.write[0].start for a, b in zip(groups, groups[1:])):

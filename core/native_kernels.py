@@ -106,8 +106,6 @@ def library() -> ctypes.CDLL | None:
         ("specdec_rms_norm", [ptr, i64, i64, i64, ptr, f32, ptr]),
         ("specdec_swiglu", [ptr, i64, i64, i64, ptr]),
         ("specdec_rotary", [ptr, i64, i64, i64, i64, ptr, ptr]),
-        ("specdec_attention", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, f32, ptr, ptr]),
-        ("specdec_attention_bf16", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, f32, ptr, ptr]),
         ("specdec_attention_threads", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, f32, ptr, ptr,
                                        i64, ctypes.c_int]),
         ("specdec_attention_threads_bf16", [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, f32, ptr,

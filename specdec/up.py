@@ -102,7 +102,7 @@ def plan(args, common: list[str], host: str, ports: dict[str, list[int]], http_p
                    f"own sessions ({'every drafter it builds' if drafting == ALL_DRAFTERS else drafting}), "
                    f"model threads {args.threads or 'measured per forward'}; no draft worker, no draft hop")
     else:
-        # Three model-less-or-model processes share the cores: one torch thread each unless told otherwise.
+        # Orchestrator, draft worker and verifier share the cores: one torch thread each unless told otherwise.
         for role, argv in commands.items():
             argv += ["--threads", str(args.threads or 1)]
             if role.startswith("target") and args.in_verifier_drafters:

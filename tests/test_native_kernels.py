@@ -288,15 +288,21 @@ def test_a_compiler_that_fails_turns_native_kernels_off_with_a_reason(monkeypatc
     assert native_kernels.available()  # built again (or found) with the real compiler
 
 
-def test_one_sequence_runs_a_c_call_per_layer_with_the_per_op_paths_bits(monkeypatch):
-    """The exact forward of one sequence (prefill, single rows, a 3-row block) fuses each layer into one
-    C call; its logits and its cache are bitwise the per-op path's."""
-    model = tiny_llama(2, seed=21)
+def fused_and_per_op(model, monkeypatch) -> tuple[LlamaDecoder, LlamaDecoder, list]:
+    """Two exact decoders of ``model``: one fusing each layer into a C call (each call counted in the
+    list), one held to the per-op path."""
     fused, per_op = LlamaDecoder(model, numerics="exact"), LlamaDecoder(model, numerics="exact")
     monkeypatch.setattr(per_op, "_fused_plan", lambda groups: None)
     calls = []
     real = native_kernels.decoder_layer
     monkeypatch.setattr(native_kernels, "decoder_layer", lambda *a: (calls.append(1), real(*a))[1])
+    return fused, per_op, calls
+
+
+def test_one_sequence_runs_a_c_call_per_layer_with_the_per_op_paths_bits(monkeypatch):
+    """The exact forward of one sequence (prefill, single rows, a 3-row block) fuses each layer into one
+    C call; its logits and its cache are bitwise the per-op path's."""
+    fused, per_op, calls = fused_and_per_op(tiny_llama(2, seed=21), monkeypatch)
     caches = fused.new_cache(), per_op.new_cache()
     prompt = list(range(3, 60))
     feeds = [(prompt, 0, 1), ([5], 57, 1), ([9], 58, 1), ([7, 8, 9], 59, 3)]
@@ -315,12 +321,7 @@ def test_many_sessions_over_several_slabs_run_a_c_call_per_layer_with_the_per_op
     is bitwise the per-op path's."""
     from specdec.core.kv_slots import SLAB_SLOTS
 
-    model = tiny_llama(2, seed=33)
-    fused, per_op = LlamaDecoder(model, numerics="exact"), LlamaDecoder(model, numerics="exact")
-    monkeypatch.setattr(per_op, "_fused_plan", lambda groups: None)
-    calls = []
-    real = native_kernels.decoder_layer
-    monkeypatch.setattr(native_kernels, "decoder_layer", lambda *a: (calls.append(1), real(*a))[1])
+    fused, per_op, calls = fused_and_per_op(tiny_llama(2, seed=33), monkeypatch)
     sessions = SLAB_SLOTS + 4
     caches = [[d.new_cache() for _ in range(sessions)] for d in (fused, per_op)]
     assert len({c.slab for c in caches[0]}) > 1

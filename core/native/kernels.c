@@ -404,12 +404,6 @@ static inline __attribute__((always_inline)) void attention(
   const float *q, int64_t rows, int64_t ldq, int64_t heads, int64_t kv_heads, int64_t d, const void *keys,          \
       const void *values, const int64_t *slot, int64_t slot_stride, int64_t head_stride, int64_t pos_stride,          \
       const int64_t *limit, const uint8_t *allowed, int64_t allowed_len, float scale, float *out, float *scratch
-#define ATTENTION_CALL(bf16)                                                                                         \
-  attention(q, rows, ldq, heads, kv_heads, d, keys, values, slot, slot_stride, head_stride, pos_stride, limit, allowed, \
-            allowed_len, scale, out, scratch, bf16)
-
-void specdec_attention(ATTENTION_ARGS) { ATTENTION_CALL(0); }
-void specdec_attention_bf16(ATTENTION_ARGS) { ATTENTION_CALL(1); }
 
 /* y = x @ W^T over every panel for weight type ``wt`` */
 static void gemm_of(int wt, GEMM_ARGS) {
