@@ -79,9 +79,9 @@ def main() -> int:
     scheduler = getattr(orch.verifier, "scheduler", None) or orch.verifier.engine
     engine = scheduler.engine
     drafter = scheduler._run._pool  # the draft engine: in one process it runs both models
-    target_clock = ForwardClock(engine.decoder, ("forward", "forward_batch"))
+    target_clock = ForwardClock(engine.decoder, ("forward", "forward_batch", "forward_feeds"))
     model_drafter = drafter.drafters["model"]
-    draft_clock = ForwardClock(model_drafter.decoder, ("forward", "forward_batch", "layers_forward"))
+    draft_clock = ForwardClock(model_drafter.decoder, ("forward", "forward_batch", "forward_feeds", "layers_forward"))
     steps = [0]
     verify_batch = engine.verify_batch
     engine.verify_batch = lambda batch: steps.__setitem__(0, steps[0] + 1) or verify_batch(batch)

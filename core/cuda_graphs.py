@@ -149,7 +149,7 @@ class CudaGraphs:
         self.runner = runner
         self.buckets = sorted(buckets)
         self.capture = runner.device.type == "cuda" if capture is None else capture
-        self.static = {b: StaticBatch(b, runner.windows, runner.device) for b in self.buckets}
+        self.static = {b: StaticBatch(b, runner.kv.windows, runner.device) for b in self.buckets}
         self.graphs: dict[GraphBucket, tuple[object, torch.Tensor]] = {}
         self.replays = 0  # forwards served by a bucket (captured or not)
         if self.capture:

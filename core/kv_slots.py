@@ -111,3 +111,31 @@ class SlotPool:
         if finite[slot] < length:
             self.slabs[slab][slot, :, :, :, finite[slot]:length] = 0
             finite[slot] = length
+
+
+class ExactSlotPool(SlotPool):
+    """`SlotPool` with each slab laid out [layers, 2, slots, kv_heads, context, head_dim]: a layer's
+    keys of a run of slots are then one [slots * kv_heads, positions, head_dim] strided batch (no
+    copy), as exact attention's batched GEMMs read them (core/exact_attention.py). A slot's ``buf`` is
+    a view [layers, 2, kv_heads, context, head_dim], as in the slot-major pool."""
+
+    def acquire(self) -> DecodeCache:
+        with self._lock:
+            if not self._free:
+                self._add_slab()
+            slab, slot = self._free.pop(0)
+        return DecodeCache(self.slabs[slab][:, :, slot], self, slab, slot)
+
+    def _add_slab(self) -> None:
+        layers, two, kv, context, d = self.shape
+        self.slabs.append(torch.empty(layers, two, self.slab_slots, kv, context, d, dtype=self.dtype))
+        self.finite.append([0] * self.slab_slots)
+        n = len(self.slabs) - 1
+        self._free.extend((n, s) for s in range(self.slab_slots))
+        self._free.sort()
+
+    def fill_to(self, slab: int, slot: int, length: int) -> None:
+        finite = self.finite[slab]
+        if finite[slot] < length:
+            self.slabs[slab][:, :, slot, :, finite[slot]:length] = 0
+            finite[slot] = length

@@ -29,7 +29,6 @@ Supported: ``LlamaForCausalLM`` with default RoPE, no attention/MLP bias, SiLU.
 """
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
@@ -40,12 +39,12 @@ import torch.nn.functional as F
 
 from specdec.core import exact_ops, llama_model, native_kernels
 from specdec.core.cpu_features import describe_cpu, native_bf16
-from specdec.core.kv_slots import DecodeCache, SlotPool
-from specdec.core.llama_model import final_features
+from specdec.core.exact_attention import KEY_BLOCK, round_up
+from specdec.core.kv_slots import DecodeCache
 from specdec.core.models import WeightRelease, restore_weights, weights_released
-from specdec.core.tree import feed_mask, feed_positions
+from specdec.core.runner import Feed
+from specdec.core.slab_backend import SlabBackend
 
-INITIAL_CAPACITY = 64  # positions; a private cache (not a pool slot) doubles from here up to the model's context length
 PACK_ROWS = 8  # a verification feeds 1 + k rows; oneDNN packs each weight for about this many
 # A packed linear's calls: up to EXACT_ROWS rows as they come, more padded to a bucket
 # (`bucket_rows`), more than MAX_CALL_ROWS in calls of that many rows (weight reads are a small part
@@ -68,8 +67,8 @@ def bucket_rows(n: int) -> int:
     if n <= EXACT_ROWS:
         return n
     if n <= 64:
-        return exact_ops.round_up(n, 8)
-    return exact_ops.round_up(n, 1 << (n.bit_length() - 3))
+        return round_up(n, 8)
+    return round_up(n, 1 << (n.bit_length() - 3))
 
 
 def _available_cores() -> int:
@@ -280,7 +279,7 @@ class LlamaDecoder:
         self.context_length = cfg.max_position_embeddings
         self.intermediate = cfg.intermediate_size
         # Exact mode pads keys to whole blocks: caches hold the context rounded up to one.
-        self.capacity_limit = exact_ops.round_up(self.context_length, exact_ops.KEY_BLOCK) if self.exact else self.context_length
+        self.capacity_limit = round_up(self.context_length, KEY_BLOCK) if self.exact else self.context_length
         d = self.head_dim
         if weights_released(model):
             restore_weights(model)  # an earlier decoder took them over: read them from the folder again
@@ -311,22 +310,21 @@ class LlamaDecoder:
             release(model.lm_head, base.norm)
             self.layers = [self._layer(layer, release) for layer in layers]
             self.rotary = llama_model.rotary_table(model, d, self.context_length)  # [context, 1, d/2] complex64
-        pool = exact_ops.ExactSlotPool if self.exact else SlotPool
-        self.pool = pool(len(self.layers), self.n_kv, self.capacity_limit, self.head_dim, self.dtype)
+        self.kv = SlabBackend(self)  # where its sequences' keys live (a runner may put it over another backend)
         self.exact_plan: exact_ops.ExactPlan | None = None
         if self.exact:
             self.exact_plan = self._verify_exact(probe_threads)
         # a layer can be one C call (`_layers_fused`) when every projection is a bare NativeLinear (an
         # exact plan may have wrapped them); the widest one's multiply-adds per row, else None
         linears = [f for layer in self.layers for f in (layer[1], layer[2], layer[4], layer[5])]
-        self._fused_macs = (max(f.shape[0] * f.shape[1] for f in linears) if self.native_ops and all(
+        self.fused_macs = (max(f.shape[0] * f.shape[1] for f in linears) if self.native_ops and all(
             isinstance(f, native_kernels.NativeLinear) for f in linears) else None)
         if own_weights:
             release.trim_heap()  # the load's transients (fused copies, the exact check's probes) back to the system
 
-    def embed_rows(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def embed_rows(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """The embeddings of ``token_ids`` in this decoder's activation dtype: [n, hidden], a fresh tensor."""
-        return self.embed[torch.tensor(token_ids)].to(self.dtype)
+        return self.embed[torch.as_tensor(token_ids)].to(self.dtype)
 
     def _cast(self, w: torch.Tensor) -> torch.Tensor:
         """``w`` in this decoder's dtype, contiguous: ``w`` itself where it already is."""
@@ -486,37 +484,25 @@ class LlamaDecoder:
                     spent += times[name][-1]
         return times
 
+    @property
+    def pool(self):
+        """The slot pool of this decoder's slab backend (core/kv_slots.py)."""
+        return self.kv.pool
+
     def new_cache(self) -> DecodeCache:
-        """A slot of this decoder's pool (core/kv_slots.py): batches of pooled caches attend together."""
-        return self.pool.acquire()
+        """A slot of this decoder's pool (core/slab_backend.py): batches of pooled caches attend together."""
+        return self.kv.new_cache()
 
     def private_cache(self) -> DecodeCache:
         """A cache with a buffer of its own (grown on demand), attended alone in a batch."""
-        return DecodeCache(self._alloc(min(INITIAL_CAPACITY, self.context_length)))
+        return self.kv.private_cache()
 
     def write_prefix(self, cache: DecodeCache, kv: torch.Tensor) -> None:
         """Adopt keys and values ``kv`` [layers, 2, kv_heads, n, head_dim] as positions [0, n) of ``cache``."""
-        n = kv.shape[3]
-        self._reserve(cache, n)
-        cache.buf[:, :, :, :n] = kv
-        if cache.pooled:
-            self.pool.wrote(cache.slab, cache.slot, 0, n)
+        self.kv.write_prefix(cache, kv)
 
-    def _alloc(self, capacity: int) -> torch.Tensor:
-        return torch.zeros(len(self.layers), 2, self.n_kv, capacity, self.head_dim, dtype=self.dtype)
-
-    def _reserve(self, cache: DecodeCache, end: int) -> None:
-        if end > self.context_length:
-            raise ValueError(f"{end} positions exceed the model's context length {self.context_length}")
-        need = exact_ops.round_up(end, exact_ops.KEY_BLOCK) if self.exact else end  # exact: keys in whole blocks
-        if need <= cache.capacity:
-            return
-        capacity = cache.capacity
-        while capacity < need:
-            capacity *= 2
-        grown = self._alloc(min(capacity, self.capacity_limit))
-        grown[:, :, :, : cache.capacity] = cache.buf
-        cache.buf = grown
+    def keep_path(self, cache: DecodeCache, first: int, path: Sequence[int]) -> None:
+        self.kv.keep_path(cache, first, path)
 
     def layers_forward(self, x: torch.Tensor, rotary: torch.Tensor, buf: torch.Tensor, start: int,
                        mask: torch.Tensor | None, only: Sequence[int] | None = None) -> torch.Tensor:
@@ -524,22 +510,12 @@ class LlamaDecoder:
 
         Row r's keys and values are written at ``buf`` position ``start + r`` (``buf``:
         [layers, 2, kv_heads, >= start + n, head_dim]), and each row attends to positions
-        ``[0, start + n)`` where ``mask`` [n, start + n] allows (None: all of them). The sequence
-        forward and the branch forward (core/branch_decode.py) use it; ``forward_batch`` gives
-        `layers_with` its own attention. ``only``: these layers alone, in order (the others' keys
+        ``[0, start + n)`` where ``mask`` [n, start + n] allows (None: all of them): a buffer outside
+        the backend's caches (core/branch_decode.py's branches) or a slot read past the feeds'
+        bookkeeping (`partial_forward`). ``only``: these layers alone, in order (the others' keys
         and values untouched).
         """
-        n = x.shape[0]
-        end = start + n
-
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            buf[i, 0, :, start:end] = k.transpose(0, 1)  # keys [kv, n, d]
-            buf[i, 1, :, start:end] = v.transpose(0, 1)  # values
-            if self.exact:
-                return exact_ops.masked_attention(self, q, buf[i, 0, :, :end], buf[i, 1, :, :end], mask)
-            return self._attention(q, buf[i, 0, :, :end], buf[i, 1, :, :end], mask)
-
-        return self.layers_with(x, rotary, attend, only)
+        return self.layers_with(x, rotary, self.kv.buffer_attend(buf, start, x.shape[0], mask), only)
 
     @torch.inference_mode()
     def partial_forward(self, cache: DecodeCache, token_ids: list[int], start: int, layers: Sequence[int]) -> torch.Tensor:
@@ -549,22 +525,12 @@ class LlamaDecoder:
         stay as they were (services/draft/layer_skip.py shares a verifier's cache so)."""
         n = len(token_ids)
         end = start + n
-        self._reserve(cache, end)
+        self.kv.reserve(cache, end)
         if cache.pooled:  # every layer's positions up to the end finite: the skipped ones are not written here
-            self.pool.fill_to(cache.slab, cache.slot, end)
+            cache.pool.fill_to(cache.slab, cache.slot, end)
         mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start) if n > 1 else None
         x = self.layers_forward(self.embed_rows(token_ids), self.rotary[start:end], cache.buf, start, mask, layers)
         return self.lm_head(self.norm(x, self.final_norm)).float()
-
-    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Rows ``q`` [n, h, d] over ``keys``/``values`` [kv, L, d]: [n, h * d]."""
-        n, h, d = q.shape
-        # 4-D inputs: with 3-D ones PyTorch's CPU SDPA takes its slow math path (docs/performance.md 8).
-        att = F.scaled_dot_product_attention(
-            q[None].transpose(1, 2), keys[None], values[None],
-            attn_mask=mask, scale=1.0 / math.sqrt(d), enable_gqa=self.n_kv != h,
-        )  # [1, h, n, d]
-        return att[0].transpose(0, 1).reshape(n, h * d)
 
     def _row_ops(self) -> tuple[Callable, Callable, Callable]:
         """This decoder's per-row ops, chosen once (llama_model.run_layers calls them): ``norm(x, weight)``
@@ -600,217 +566,28 @@ class LlamaDecoder:
 
         The rows of all sequences are flattened into one [N, hidden] batch (N = the sum of their
         lengths, ragged, in the spirit of vLLM's flattened draft tokens with offsets), so every
-        weight is read once per forward however many sequences share it. Attention runs once per
-        layer for the sequences of each pool slab (`_SlabAttention`: their slots are one view) and
-        per sequence for private caches (a GPU would run the same flattened rows through a varlen
-        or paged attention kernel instead).
+        weight is read once per forward however many sequences share it; attention is the slab
+        backend's (core/slab_backend.py: once per layer for the sequences of each pool slab, per
+        sequence for private caches).
         """
-        lengths = [len(t) for t in token_ids]
-        for cache, start, n in zip(caches, starts, lengths):
-            self._reserve(cache, start + n)
-        offsets = [0]
-        for n in lengths:
-            offsets.append(offsets[-1] + n)
         parents = parents or [()] * len(caches)
-        masks = [feed_mask(s, n, p) if p else None for s, n, p in zip(starts, lengths, parents)]  # [n, s + n] each
-        positions = torch.tensor([r for s, n, p in zip(starts, lengths, parents) for r in feed_positions(s, n, p)])  # [N]
-        x = self.embed_rows([t for ids in token_ids for t in ids])  # [N, hidden]
-        rotary = self.rotary[positions]  # [N, 1, d/2]
+        num_features = num_features or [0] * len(caches)
+        return self.forward_feeds([Feed(c, s, ids, m, tuple(p), f) for c, ids, s, m, p, f
+                                   in zip(caches, token_ids, starts, num_last, parents, num_features)])
 
-        by_slab: dict[int, list[int]] = {}
-        groups: list[_SlabAttention | _AloneAttention | exact_ops.ExactGroup] = []
-        for b, cache in enumerate(caches):
-            if cache.pooled and cache.pool is self.pool:
-                by_slab.setdefault(cache.slab, []).append(b)
-            elif self.exact:
-                groups.append(exact_ops.alone_group(self, cache, starts[b], offsets[b], lengths[b], masks[b]))
-            else:
-                groups.append(_AloneAttention(self, cache, starts[b], offsets[b], offsets[b + 1], masks[b]))
-        for slab, members in by_slab.items():
-            layout = [(caches[b].slot, starts[b], offsets[b], lengths[b]) for b in members]
-            member_masks = [masks[b] for b in members] if any(masks[b] is not None for b in members) else None
-            groups.append(exact_ops.slab_group(self, slab, layout, member_masks) if self.exact
-                          else _SlabAttention(self, slab, layout, member_masks))
-        total = offsets[-1]
-
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if len(groups) == 1 and groups[0].in_order:
-                return groups[0].attend(i, q, k, v)
-            out = q.new_empty(total, self.n_heads * self.head_dim)
-            for g in groups:
-                out[g.rows] = g.attend(i, q, k, v)
-            return out
-
-        fused = self._fused_plan(groups)
-        if fused is not None:
-            x = self._layers_fused(x, rotary, *fused)
-        else:
-            x = self.layers_with(x, rotary, attend)
-        self.last_features = final_features(x, offsets, num_features, self.final_norm, self.eps)
-        rows = torch.tensor([r for b, m in enumerate(num_last) for r in range(offsets[b + 1] - m, offsets[b + 1])])
-        logits = self.lm_head(self.norm(x[rows], self.final_norm)).float()  # [sum(num_last), vocab]
-        return list(logits.split(num_last))
-
-    def _fused_plan(self, groups: list) -> tuple[exact_ops.ExactGroup, native_kernels.LayerRows] | None:
-        """Where each layer of this forward can be one C call (`_layers_fused`): exact numerics on native
-        kernels, every group's rows in the batch's order, written where they attend; one cache or slab,
-        or several slabs of this decoder's pool (causal rows), read through offsets from the first.
-        Returns the group whose keys a layer's call takes, and the rows; None: layer by layer in Python."""
-        if self._fused_macs is None or not all(isinstance(g, exact_ops.ExactGroup) and g.native
-                                               and g.write is not None and isinstance(g.write[0], slice) for g in groups):
-            return None
-        groups = sorted(groups, key=lambda g: g.write[0].start)
-        if groups[0].write[0].start != 0 or any(a.write[0].stop != b.write[0].start for a, b in zip(groups, groups[1:])):
-            return None
-        keys = [g.layer_kv(0) for g in groups]  # each ([slots, kv, positions, d] keys, values)
-        first_k, first_v = keys[0]
-        if len(groups) == 1:
-            g = groups[0]
-            return g, native_kernels.LayerRows(g.slots, g.write[2], g.limits, g.allowed, first_k.shape[0], first_k.shape[2])
-        size = first_k.element_size()
-        same = all(k.shape[1:] == first_k.shape[1:] and k.stride() == first_k.stride() and v.stride() == k.stride()
-                   and v.data_ptr() - k.data_ptr() == first_v.data_ptr() - first_k.data_ptr()
-                   and (k.data_ptr() - first_k.data_ptr()) % size == 0 for k, v in keys)
-        if len(self.layers) > 1:  # each layer's keys the same distance on in every group: the offsets hold in every layer
-            step = groups[0].layer_kv(1)[0].data_ptr() - first_k.data_ptr()
-            same = same and all(g.layer_kv(1)[0].data_ptr() - k.data_ptr() == step for g, (k, _) in zip(groups, keys))
-        if not same or any(g.allowed is not None for g in groups):
-            return None
-        offsets = torch.cat([(k.data_ptr() - first_k.data_ptr()) // size + g.slots * k.stride(0) for g, (k, _) in zip(groups, keys)])
-        rows = native_kernels.LayerRows(offsets, torch.cat([g.write[2] for g in groups]), torch.cat([g.limits for g in groups]),
-                                        None, 0, first_k.shape[2], slot_stride=1)
-        return groups[0], rows
-
-    def _layers_fused(self, x: torch.Tensor, rotary: torch.Tensor, group: exact_ops.ExactGroup,
-                      rows: native_kernels.LayerRows) -> torch.Tensor:
-        """`layers_with` as a C call per layer (core/native_kernels.py `decoder_layer`): the same kernels
-        in the same order, so the same bits, without the Python between them."""
-        x = x.contiguous()  # (the embedding's gather: a fresh tensor, updated in place below)
-        shape = (self.n_heads, self.n_kv, self.head_dim, self.intermediate)
-        cos_sin = torch.view_as_real(rotary).contiguous()
-        threads = native_kernels.threads_for(x.shape[0] * self._fused_macs)  # (its widest GEMM decides, as a NativeLinear's would)
-        work = torch.empty(rows.work(self.hidden, shape, threads))
-        for i, layer in enumerate(self.layers):
-            keys, values = group.layer_kv(i)
-            native_kernels.decoder_layer(x, layer, shape, self.eps, cos_sin, keys, values, rows, work, threads)
-        return x
-
-    def keep_path(self, cache: DecodeCache, first: int, path: Sequence[int]) -> None:
-        """After a tree step whose nodes' keys and values lie at buffer positions ``first + node``: move
-        the accepted ``path``'s to ``first, first + 1, ...``, where a chain's would be (exact rollback
-        then keeps the first ``first + len(path)`` positions). Each source lies at or after its target."""
-        buf = cache.buf
-        for place, node in enumerate(path):
-            if node != place:
-                buf[:, :, :, first + place] = buf[:, :, :, first + node]
+    @torch.inference_mode()
+    def forward_feeds(self, feeds: Sequence[Feed], backend=None) -> list[torch.Tensor]:
+        """`llama_model.forward` over ``backend`` (default: this decoder's slabs): each feed's logits
+        [num_last, vocab] float32, in order; features in ``last_features``."""
+        backend = backend or self.kv
+        plan = backend.plan(feeds)
+        logits, self.last_features = llama_model.forward(self, backend, plan, [f.num_features for f in feeds])
+        backend.finish(plan)
+        return list(logits.split(list(plan.num_last)))
 
     @torch.inference_mode()
     def forward(self, cache: DecodeCache, token_ids: list[int], start: int, num_last: int | None = None) -> torch.Tensor:
         """Feed ``token_ids`` at positions start.. into ``cache``; logits of the last ``num_last``
         (default: all) of them, ``[num_last, vocab]``."""
         n = len(token_ids)
-        if self.exact:  # one path for every row: a sequence alone is a batch of one
-            return self.forward_batch([cache], [list(token_ids)], [start], [n if num_last is None else num_last])[0]
-        end = start + n
-        self.last_features = None
-        self._reserve(cache, end)
-        x = self.embed_rows(token_ids)  # [n, hidden]
-        rotary = self.rotary[start:end]  # [n, 1, d/2]
-        # Causal mask only when several tokens arrive at once (prefill / multi-token feed).
-        mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start) if n > 1 else None  # [n, end]
-        if cache.pooled:
-            self.pool.fill_to(cache.slab, cache.slot, start)  # (a no-op unless the cache skipped positions)
-        x = self.layers_forward(x, rotary, cache.buf, start, mask)
-        if cache.pooled:
-            self.pool.wrote(cache.slab, cache.slot, start, end)
-        if num_last is not None:
-            x = x[-num_last:]
-        return self.lm_head(self.norm(x, self.final_norm)).float()  # [rows, vocab]
-
-
-class _AloneAttention:
-    """A private cache's rows of a batch: attended on their own, as a single-sequence forward would."""
-
-    def __init__(self, dec: LlamaDecoder, cache: DecodeCache, start: int, lo: int, hi: int,
-                 mask: torch.Tensor | None = None) -> None:
-        """``mask`` [n, start + n]: which positions each row sees (None: causal)."""
-        self.dec, self.cache, self.start, self.lo, self.hi = dec, cache, start, lo, hi
-        self.rows = slice(lo, hi)
-        self.in_order = True  # its rows are one run of the batch's rows
-        n = hi - lo
-        if mask is None and n > 1:
-            mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
-        self.mask = mask
-
-    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        lo, hi, start = self.lo, self.hi, self.start
-        end = start + hi - lo
-        buf = self.cache.buf
-        buf[i, 0, :, start:end] = k[lo:hi].transpose(0, 1)  # [kv, n, d]
-        buf[i, 1, :, start:end] = v[lo:hi].transpose(0, 1)
-        return self.dec._attention(q[lo:hi], buf[i, 0, :, :end], buf[i, 1, :, :end], self.mask)
-
-
-class _SlabAttention:
-    """The rows of a batch's sequences that live in one pool slab, attended in one SDPA call per layer.
-
-    The call covers slots ``lo..hi`` (every member, and any slot between them that is not in this
-    batch: its query rows are padding whose output is dropped) and positions up to the longest
-    member's end ``length``; each member's queries are padded to the batch's most rows ``n_max``,
-    and a mask [slots, 1, n_max, length] lets query row r of a member starting at s see positions
-    ``< s + r + 1`` (causal within its own new rows). Every slot in the range is made finite up to
-    ``length`` first (core/kv_slots.py: masked positions are still multiplied)."""
-
-    def __init__(self, dec: LlamaDecoder, slab: int, members: list[tuple[int, int, int, int]],
-                 masks: list[torch.Tensor | None] | None = None) -> None:
-        """``members``: (slot, start, first row in the batch, rows) per sequence; ``masks``: per member,
-        [rows, start + rows] positions each row sees, or None (causal)."""
-        self.dec = dec
-        self.slab = dec.pool.slabs[slab]  # [slots, layers, 2, kv, context, d]
-        self.lo = min(slot for slot, _, _, _ in members)
-        hi = max(slot for slot, _, _, _ in members)
-        self.length = max(start + n for _, start, _, n in members)
-        self.n_max = max(n for _, _, _, n in members)
-        for slot in range(self.lo, hi + 1):
-            dec.pool.fill_to(slab, slot, self.length)
-        rows, slots, pos, row_in_seq = [], [], [], []
-        for slot, start, first, n in members:
-            rows.extend(range(first, first + n))
-            slots.extend([slot] * n)
-            pos.extend(range(start, start + n))
-            row_in_seq.extend(range(n))
-        self.in_order = rows == list(range(len(rows)))
-        self.rows = torch.tensor(rows)  # where the members' rows sit in the batch [Ng]
-        self.slots = torch.tensor(slots)  # [Ng]
-        self.pos = torch.tensor(pos)  # [Ng]
-        self.rel = self.slots - self.lo  # [Ng]
-        self.row_in_seq = torch.tensor(row_in_seq)  # [Ng]
-        self.span = hi + 1 - self.lo
-        limit = torch.full((self.span, self.n_max), self.length)  # padding slots: everything (finite, dropped)
-        firsts = torch.tensor([start for _, start, _, _ in members])
-        limit[torch.tensor([slot - self.lo for slot, _, _, _ in members])] = firsts[:, None] + torch.arange(1, self.n_max + 1)
-        full = (masks is None and self.n_max == 1 and self.span == len(members)
-                and all(start + n == self.length for _, start, _, n in members))
-        self.mask = None if full else (torch.arange(self.length) < limit[:, :, None])[:, None]  # [span, 1, n_max, length]
-        for (slot, start, _, n), mask in zip(members, masks or ()):
-            if mask is not None:
-                self.mask[slot - self.lo, 0, :n] = F.pad(mask, (0, self.length - start - n))
-
-    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        dec = self.dec
-        keys, values = self.slab[:, i, 0], self.slab[:, i, 1]  # [slots, kv, context, d]
-        if self.in_order:  # the batch's first Ng rows: views, no gather
-            ng = len(self.rows)
-            q, k, v = q[:ng], k[:ng], v[:ng]
-        else:
-            q, k, v = q[self.rows], k[self.rows], v[self.rows]
-        keys[self.slots, :, self.pos] = k  # [Ng, kv, d] into each member's slot
-        values[self.slots, :, self.pos] = v
-        hi = self.lo + self.span
-        queries = q.new_zeros(self.span, self.n_max, dec.n_heads, dec.head_dim)
-        queries[self.rel, self.row_in_seq] = q
-        att = F.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys[self.lo:hi, :, : self.length], values[self.lo:hi, :, : self.length],
-            attn_mask=self.mask, scale=1.0 / math.sqrt(dec.head_dim), enable_gqa=dec.n_kv != dec.n_heads,
-        )  # [span, h, n_max, d]
-        return att.transpose(1, 2)[self.rel, self.row_in_seq].reshape(-1, dec.n_heads * dec.head_dim)
+        return self.forward_batch([cache], [list(token_ids)], [start], [n if num_last is None else num_last])[0]

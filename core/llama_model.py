@@ -137,3 +137,26 @@ def final_features(x: torch.Tensor, offsets: Sequence[int], num_features: Sequen
         return None
     return [rms_norm(x[offsets[b + 1] - m: offsets[b + 1]], final_norm, eps) if m else None
             for b, m in enumerate(num_features)]
+
+
+class Model(LayerMath, Protocol):
+    """What `forward` reads of a model beyond its layers: embeddings, the final norm and the head."""
+
+    final_norm: torch.Tensor
+    eps: float
+    rotary: torch.Tensor  # [context, 1, d/2] complex64
+    lm_head: Linear
+
+    def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] in the activations' dtype."""
+
+
+def forward(model: Model, backend, plan, num_features: Sequence[int] | None = None
+            ) -> tuple[torch.Tensor, list[torch.Tensor | None] | None]:
+    """The whole model over one planned batch (core/kv_backend.py): logits of the plan's ``last``
+    rows [rows, vocab] float32, and each feed's final-norm features where ``num_features`` asks."""
+    x = model.embed_rows(plan.token_ids)  # [N, hidden]
+    x = backend.run_layers(model, x, model.rotary[plan.positions], plan)
+    wanted = num_features is not None and any(num_features)  # (a CUDA graph's static batch has no offsets: it never asks)
+    features = final_features(x, plan.offsets, num_features, model.final_norm, model.eps) if wanted else None
+    return model.lm_head(model.norm(x[plan.last], model.final_norm)).float(), features

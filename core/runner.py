@@ -83,39 +83,35 @@ class ModelRunner(Protocol):
 
 
 class LeanRunner:
-    """specdec.core.llama_decode: one forward for the whole batch; a cache is a slot of the decoder's pool."""
+    """The lean Llama decoder (core/llama_decode.py) over a KV backend (core/kv_backend.py): by default
+    its own CPU slabs, where one forward runs the whole batch and a cache is a slot."""
     verifies_trees = True
 
-    def __init__(self, decoder) -> None:
+    def __init__(self, decoder, backend=None) -> None:
         self.decoder = decoder
+        self.kv = backend if backend is not None else decoder.kv
         self.last_features = None
 
     def new_cache(self):
-        return self.decoder.new_cache()
+        return self.kv.new_cache()
 
     def truncate(self, cache, length: int) -> None:
-        pass  # a DecodeCache has no length of its own: positions past `start` are overwritten by the next feed
+        self.kv.truncate(cache, length)
 
     def free(self, cache) -> None:
-        cache.free()  # the slot goes back to the pool now (else when the cache is garbage)
+        self.kv.free(cache)
 
     def read_kv(self, cache, lo: int, hi: int) -> torch.Tensor:
-        return cache.buf[:, :, :, lo:hi]  # a view of the slot
+        return self.kv.read_kv(cache, lo, hi)
 
     def write_prefix(self, cache, kv: torch.Tensor) -> None:
-        self.decoder.write_prefix(cache, kv)
+        self.kv.write_prefix(cache, kv)
 
     def keep_path(self, cache, first: int, path: Sequence[int]) -> None:
-        self.decoder.keep_path(cache, first, path)
+        self.kv.keep_path(cache, first, path)
 
     def forward(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
-        if len(feeds) == 1 and not feeds[0].parents and not feeds[0].num_features:  # the sequence path: no flattening to do
-            f = feeds[0]
-            out = [self.decoder.forward(f.cache, list(f.token_ids), f.start, f.num_last)]
-        else:
-            out = self.decoder.forward_batch([f.cache for f in feeds], [list(f.token_ids) for f in feeds],
-                                             [f.start for f in feeds], [f.num_last for f in feeds],
-                                             [f.parents for f in feeds], [f.num_features for f in feeds])
+        out = self.decoder.forward_feeds(feeds, self.kv)
         self.last_features = self.decoder.last_features
         return out
 

@@ -12,6 +12,7 @@ import torch
 
 from specdec.core import cpu_features, exact_ops, llama_decode
 from specdec.core.cpu_features import describe_cpu
+from specdec.core.kv_slots import ExactSlotPool
 from specdec.core.llama_decode import KERNELS, MULTI_ROW_KERNELS, LlamaDecoder, bfloat16_supported, native_usable
 from specdec.core.models import load_causal_lm
 from test_branch_decode import VOCAB, tiny_llama
@@ -93,7 +94,7 @@ def test_a_row_inside_a_batch_of_16_mixed_sessions_is_bitwise_the_same(kv_heads,
         assert_rows_equal(g, want, f"session {i} (k = {len(blocks[i]) - 1})")
 
 
-def poison(pool: exact_ops.ExactSlotPool, caches: list, lengths: list[int]) -> None:
+def poison(pool: ExactSlotPool, caches: list, lengths: list[int]) -> None:
     """What an unwritten page may hold: NaN wherever nobody wrote a live sequence's keys and values, or
     made them finite for attention that multiplies masked keys (the GEMM path's padding)."""
     written = {(c.slab, c.slot): n for c, n in zip(caches, lengths) if c.pooled}
@@ -105,7 +106,7 @@ def poison(pool: exact_ops.ExactSlotPool, caches: list, lengths: list[int]) -> N
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_slabs_with_holes_and_a_private_cache_still_give_each_row_its_own_bits(kv_heads, dtype):
     dec = LlamaDecoder(tiny_llama(kv_heads, seed=60 + kv_heads), dtype=dtype, numerics="exact")
-    dec.pool = exact_ops.ExactSlotPool(len(dec.layers), dec.n_kv, dec.capacity_limit, dec.head_dim, dec.dtype, slab_slots=4)
+    dec.kv.pool = ExactSlotPool(len(dec.layers), dec.n_kv, dec.capacity_limit, dec.head_dim, dec.dtype, slab_slots=4)
     rnd = random.Random(7)
     prefixes = [[rnd.randrange(VOCAB) for _ in range(rnd.randint(2, 60))] for _ in range(11)]  # 3 slabs of 4
     caches = [dec.new_cache() for _ in prefixes]

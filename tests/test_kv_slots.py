@@ -18,7 +18,7 @@ from test_branch_decode import VOCAB, tiny_llama
 @pytest.fixture(params=[2, 4], ids=["gqa", "mha"])
 def decoder(request) -> LlamaDecoder:
     dec = LlamaDecoder(tiny_llama(request.param, seed=request.param + 20))
-    dec.pool = SlotPool(len(dec.layers), dec.n_kv, dec.context_length, dec.head_dim, dec.dtype, slab_slots=4)  # several slabs
+    dec.kv.pool = SlotPool(len(dec.layers), dec.n_kv, dec.context_length, dec.head_dim, dec.dtype, slab_slots=4)  # several slabs
     return dec
 
 

@@ -292,7 +292,7 @@ def fused_and_per_op(model, monkeypatch) -> tuple[LlamaDecoder, LlamaDecoder, li
     """Two exact decoders of ``model``: one fusing each layer into a C call (each call counted in the
     list), one held to the per-op path."""
     fused, per_op = LlamaDecoder(model, numerics="exact"), LlamaDecoder(model, numerics="exact")
-    monkeypatch.setattr(per_op, "_fused_plan", lambda groups: None)
+    monkeypatch.setattr(per_op.kv, "_fused_plan", lambda groups: None)
     calls = []
     real = native_kernels.decoder_layer
     monkeypatch.setattr(native_kernels, "decoder_layer", lambda *a: (calls.append(1), real(*a))[1])

@@ -234,7 +234,7 @@ def test_qwen2_and_sliding_window_mistral_equal_transformers_generate(family, na
     assert greedy_through_engine(engine, prompts, reference) == reference
     if name == "mistral":  # the window is in effect: full attention over the same weights says otherwise
         full = PagedRunner(reference_model, page_tokens=4, num_pages=64)
-        full.windows = [None] * len(full.windows)
+        full.kv.windows = [None] * len(full.kv.windows)
         c = full.new_cache()
         logits = full.forward([Feed(c, 0, prompts[0] + reference[0], len(reference[0]) + 1)])[0]
         assert logits[:-1].argmax(-1).tolist() != reference[0]
