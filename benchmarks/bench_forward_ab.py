@@ -2,7 +2,7 @@
 
     python benchmarks/bench_forward_ab.py --before /path/to/venv-of-main/bin/python [--after PYTHON]
         [--runners lean,paged] [--numerics exact,fast] [--shapes 1x1,4x1,1x5,16x1,4x5] [--context 100]
-        [--calls 130] [--rounds 6] [--threads 1] [--out benchmarks/results/house/forward_ab.json]
+        [--calls 130] [--rounds 6] [--threads 1] [--lean-kernels measure,measure] [--out FILE.json]
 
 Each round runs, for each side in turn, one subprocess (``--worker``) that loads the demo target
 into each runner and numerics asked, prefills S sessions of ``--context`` tokens and times
@@ -46,7 +46,8 @@ def worker(args) -> dict:
         for numerics in args.numerics.split(","):
             try:
                 if kind == "lean":
-                    runner = LeanRunner(LlamaDecoder(loaded.model, numerics=numerics))
+                    one, many = args.lean_kernels.split(",")
+                    runner = LeanRunner(LlamaDecoder(loaded.model, numerics=numerics, single_row=one, multi_row=many))
                 else:
                     runner = PagedRunner(loaded.model, numerics=numerics, max_sessions=most,
                                          kv_budget_tokens=most * (args.context + 16))
@@ -82,6 +83,8 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=130)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lean-kernels", default="measure,measure",
+                    help="the lean decoder's fast-numerics kernels for one row and more (fixed: no per-process timing noise)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -91,7 +94,8 @@ def main() -> int:
     if not args.before:
         ap.error("--before is required")
     passed = ["--target", args.target, "--runners", args.runners, "--numerics", args.numerics, "--shapes", args.shapes,
-              "--context", str(args.context), "--calls", str(args.calls), "--threads", str(args.threads), "--worker"]
+              "--context", str(args.context), "--calls", str(args.calls), "--threads", str(args.threads),
+              "--lean-kernels", args.lean_kernels, "--worker"]
     rounds: dict[str, list[dict]] = {"before": [], "after": []}
     for r in range(args.rounds):
         for side in (("before", "after") if r % 2 == 0 else ("after", "before")):

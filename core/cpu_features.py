@@ -24,8 +24,12 @@ def cpu_flags() -> frozenset[str]:
 
 
 def native_bf16() -> bool:
-    """True where the CPU computes bf16 in hardware (AVX512_BF16 or AMX-BF16). oneDNN also "supports"
-    bf16 on a plain AVX-512 CPU by emulating it, several times slower: that does not count."""
+    """True where the CPU computes bf16 in hardware (AVX512_BF16 or AMX-BF16) and PyTorch dispatches
+    its AVX-512 kernels (``ATEN_CPU_CAPABILITY=avx2`` holds them back, and its bf16 attention then
+    fails). oneDNN also "supports" bf16 on a plain AVX-512 CPU by emulating it, several times
+    slower: that does not count."""
+    if "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        return False
     flags = cpu_flags()
     if flags:
         return any(flag in flags for flag in BF16_FLAGS)
