@@ -14,9 +14,10 @@ prompt in turn, the order rotating), medians over rounds:
   specdec_{f32,bf16}_METHOD     specdec in one process (all roles embedded, as `specdec bench`'s in-process
                                 methods), the target in float32 or bfloat16 (--numerics: specdec's default
                                 auto is exact where this CPU's kernels hold it), the draft in float32;
-                                METHOD from --specdec-methods: k0 (target only), adaptive and k4 (the draft
-                                model), ngram_k7, ngram_k3, ngram_adaptive (prompt lookup), eagle_k7 (the
-                                EAGLE head, where the target has one).
+                                METHOD from --specdec-methods: k0 (target only), adaptive, k4 and k7 (the
+                                draft model), tree7 (token trees of 7 nodes from it), ngram_k7, ngram_k3,
+                                ngram_adaptive (prompt lookup), eagle_k7 (the EAGLE head, where the target
+                                has one).
 decode tok/s counts the tokens after the first over the time after the first token arrived (prompt
 excluded, as llama.cpp's "eval time"; llama-speculative-simple reports only every token over its decode
 loop: llamacpp_tools.speculative); e2e tok/s counts every token over the whole request. Outputs are
@@ -49,8 +50,9 @@ DEMO = ROOT / "models" / "demo"
 WORK = Path(os.environ.get("SPECDEC_LLAMACPP_DIR", "/work/llamacpp"))  # builds and scratch, outside the repo
 DTYPES = {"float32": "f32", "bfloat16": "bf16"}  # specdec's target dtype -> the tag in method names
 # specdec method -> (fixed k, None: adaptive; drafter)
-SPECDEC_METHODS = {"k0": (0, "model"), "adaptive": (None, "model"), "k4": (4, "model"), "ngram_k7": (7, "ngram"),
-                   "ngram_k3": (3, "ngram"), "ngram_adaptive": (None, "ngram"), "eagle_k7": (7, "eagle")}
+SPECDEC_METHODS = {"k0": (0, "model"), "adaptive": (None, "model"), "k4": (4, "model"), "k7": (7, "model"),
+                   "tree7": (7, "tree"), "ngram_k7": (7, "ngram"), "ngram_k3": (3, "ngram"),
+                   "ngram_adaptive": (None, "ngram"), "eagle_k7": (7, "eagle")}
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
 
 
