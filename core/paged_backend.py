@@ -66,7 +66,7 @@ class Batch:
         for n in self.lengths:
             offsets.append(offsets[-1] + n)
         self.offsets = offsets
-        tables = [f.cache for f in feeds]
+        self.tables = tables = [f.cache for f in feeds]  # each feed's page table (`PagedBackend.finish` sets lengths)
         self.token_ids = torch.tensor([t for f in feeds for t in f.token_ids])  # [N]
         self.positions = torch.tensor([r for s, n, p in zip(self.starts, self.lengths, self.parents)
                                        for r in feed_positions(s, n, p)])  # [N]
@@ -208,9 +208,7 @@ class PagedBackend:
         for f, end in zip(feeds, ends):
             alloc.truncate(f.cache, end)  # pages past the feed's end go back
             f.cache.length = min(f.cache.length, f.start)
-        batch = Batch(alloc, feeds)
-        batch.tables = [f.cache for f in feeds]
-        return batch
+        return Batch(alloc, feeds)
 
     def finish(self, batch: Batch) -> None:
         for table, end in zip(batch.tables, batch.ends):

@@ -68,7 +68,6 @@ typedef __m256i vint;
  * hardware prefetch alone leaves its loads waiting once several rows' FMAs sit between them. */
 #define PF_ROWS 32
 
-
 int specdec_panel_width(void) { return NR; }
 int specdec_rows_per_block(void) { return MR; }
 
