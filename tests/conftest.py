@@ -11,6 +11,9 @@ decides. Speed is measured by benchmarks/, not asserted here.
 configuration of tests/test_seed_exact.py rather than the default subset, which still covers every
 k, drafter, configuration, seed and path. It takes several times longer; benchmarks and release
 checks run it.
+
+The suite runs on two workers (pytest-xdist, ``-n 2 --dist loadfile`` in pyproject.toml): each file
+stays on one worker, the slowest files start first, and each worker hands out its own shard of ports.
 """
 from __future__ import annotations
 
@@ -25,6 +28,12 @@ from triton_rows import row_invariant_dot  # noqa: E402
 if os.environ["TRITON_INTERPRET"] == "1":
     row_invariant_dot()  # a row's bits in the interpreter's tl.dot must not depend on numpy's BLAS
 
+# Two workers start servers at once: each picks ports only from its own shard (specdec/ports.py), and
+# the servers it starts inherit the shard.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["SPECDEC_PORT_SHARD"] = (f"{int(os.environ['PYTEST_XDIST_WORKER'].removeprefix('gw'))}/"
+                                        f"{os.environ['PYTEST_XDIST_WORKER_COUNT']}")
+
 import uuid  # noqa: E402
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -33,6 +42,17 @@ import pytest  # noqa: E402
 
 from redis_cluster import MISSING as REDIS_TOOLS_MISSING, RedisClusterProcs, SentinelProcs, tools as redis_tools
 from redis_server import delete_prefix, redis_url_for_tests
+
+
+# The slowest files (docs/operations.md "Running the tests"), started first so that none of them is
+# left running alone at the end of a parallel run; the rest keep their order.
+START_FIRST = ("test_tensor_parallel_serving.py", "test_faults.py", "test_cli.py", "test_bf16_greedy.py",
+               "test_e2e.py", "test_paged_runner.py", "test_eagle_drafter.py", "test_bench.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(START_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(START_FIRST)))
 
 
 @pytest.fixture(scope="session")

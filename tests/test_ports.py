@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from specdec import ports
 
 
@@ -37,3 +39,22 @@ def test_a_taken_port_is_skipped(monkeypatch):
         assert got != port and next(draws, None) is None  # it was drawn twice, refused twice
     finally:
         taken.close()
+
+
+def test_two_shards_never_hand_out_one_port(monkeypatch):
+    """Parallel test workers (tests/conftest.py) each draw from their own shard, bus ports included."""
+    drawn = {}
+    for shard in ("0/2", "1/2"):
+        monkeypatch.setenv("SPECDEC_PORT_SHARD", shard)
+        monkeypatch.setattr(ports, "_given", set())  # two processes: neither knows the other's ports
+        got = [ports.free_ports(3) for _ in range(20)] + [ports.free_ports(1, plus=10000) for _ in range(5)]
+        drawn[shard] = {p for base in got[:20] for p in range(base, base + 3)} | {p for base in got[20:] for p in (base, base + 10000)}
+        index = int(shard[0])
+        assert all((p // 64) % 2 == index for p in drawn[shard])
+    assert not drawn["0/2"] & drawn["1/2"]
+
+
+def test_a_malformed_shard_is_refused(monkeypatch):
+    monkeypatch.setenv("SPECDEC_PORT_SHARD", "2/2")
+    with pytest.raises(ValueError, match="0 <= i < n"):
+        ports.free_ports(1)
