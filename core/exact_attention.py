@@ -83,10 +83,11 @@ class ExactGroup:
         self.layer_kv = layer_kv
         self.num_slots = num_slots
         self.out_dtype = dec.dtype  # the model's; `verify` reads the float32 result itself
-        self.write = None if positions is None else (_as_slice(rows), slots, positions)
+        rows_slice = _as_slice(rows)
+        self.write = None if positions is None else (rows_slice, slots, positions)
         self.first_position = None if positions is None else int(positions[0])
         if dec.native_attention:
-            self._native_init(rows, slots, limits, allowed, positions)
+            self._native_init(rows, rows_slice, slots, limits, allowed, positions)
             return
         length = allowed.shape[1] if allowed is not None else int(limits.max())
         self.length = L = round_up(length, KEY_BLOCK)
@@ -117,22 +118,22 @@ class ExactGroup:
                     and bool(torch.equal(row_in_seq, torch.arange(n)))
                     and (positions is None or _is_run(positions)))
 
-    def _native_init(self, rows: torch.Tensor, slots: torch.Tensor, limits: torch.Tensor | None,
-                     allowed: torch.Tensor | None, positions: torch.Tensor | None) -> None:
+    def _native_init(self, rows: torch.Tensor, rows_slice: torch.Tensor | slice, slots: torch.Tensor,
+                     limits: torch.Tensor | None, allowed: torch.Tensor | None, positions: torch.Tensor | None) -> None:
         """The native kernel's plan (core/native_kernels.py): every row over its own keys, no tiles or
-        padding; a masked row sees keys up to its last allowed one."""
+        padding; a masked row sees keys up to its last allowed one. ``rows_slice``: `_as_slice(rows)`."""
         self.native = True
         self.rows = rows
-        self.in_order = bool(torch.equal(rows, torch.arange(len(rows))))
-        self.query_rows = _as_slice(rows)
+        self.in_order = isinstance(rows_slice, slice) and rows_slice.start == 0
+        self.query_rows = rows_slice
         self.slots = slots.to(torch.int64).contiguous()
         if allowed is not None:
             self.allowed = allowed.to(torch.uint8).contiguous()
             self.limits = (allowed.shape[1] - self.allowed.flip(1).argmax(1)).contiguous()
         else:
             self.allowed, self.limits = None, limits.to(torch.int64).contiguous()
-        self.scratch = torch.empty(torch.get_num_threads() * (int(self.limits.max()) + 64))  # a stretch per thread
-        self.one = self.num_slots == 1 and self.write is not None and isinstance(self.write[0], slice) and _is_run(positions)
+        self.scratch = None  # a stretch of keys per thread, made on first `attend` (a one-call forward has its own)
+        self.one = self.num_slots == 1 and isinstance(rows_slice, slice) and positions is not None and _is_run(positions)
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         rows, slots, positions = self.write
@@ -160,6 +161,8 @@ class ExactGroup:
         if self.write is not None:
             self._write(keys, values, k, v)
         if self.native:
+            if self.scratch is None:
+                self.scratch = torch.empty(torch.get_num_threads() * (int(self.limits.max()) + 64))
             out = native_kernels.attention(q[self.query_rows].float(), keys, values, self.slots, self.limits, self.allowed,
                                            1.0 / math.sqrt(d), self.scratch)
             return out.to(self.out_dtype)
@@ -191,8 +194,8 @@ def _is_run(index: torch.Tensor) -> bool:
 
 def _as_slice(index: torch.Tensor) -> torch.Tensor | slice:
     """A run of consecutive row numbers as a slice (a view, no gather), else the index itself."""
-    first = int(index[0])
-    return slice(first, first + len(index)) if torch.equal(index, torch.arange(first, first + len(index))) else index
+    first, n = int(index[0]), len(index)
+    return slice(first, first + n) if n == 1 or torch.equal(index, torch.arange(first, first + n)) else index
 
 
 def runs(starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:

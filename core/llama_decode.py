@@ -319,6 +319,7 @@ class LlamaDecoder:
         linears = [f for layer in self.layers for f in (layer[1], layer[2], layer[4], layer[5])]
         self.fused_macs = (max(f.shape[0] * f.shape[1] for f in linears) if self.native_ops and all(
             isinstance(f, native_kernels.NativeLinear) for f in linears) else None)
+        self.native_stack = native_kernels.DecoderStack(self.layers, self.hidden) if self.fused_macs else None
         if own_weights:
             release.trim_heap()  # the load's transients (fused copies, the exact check's probes) back to the system
 

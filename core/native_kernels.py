@@ -31,6 +31,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -117,6 +118,10 @@ def library() -> ctypes.CDLL | None:
                                                ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, f32, ptr, i64,
                                                ctypes.c_int, ctypes.c_int]
     lib.specdec_decoder_layer_rows.restype = None
+    lib.specdec_decoder_layers.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr,
+                                           ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, f32, ptr, i64,
+                                           ctypes.c_int, ctypes.c_int]
+    lib.specdec_decoder_layers.restype = None
     return lib
 
 
@@ -297,6 +302,41 @@ def causal_rows(start: int, n: int, capacity: int) -> LayerRows:
     return LayerRows(torch.zeros(n, dtype=torch.int64), positions, positions + 1, None, 1, capacity)
 
 
+def _check_layer(layer: tuple, hidden: int) -> None:
+    """A layer as `decoder_layer` reads it: NativeLinear projections of one weight dtype, float32 norms."""
+    ln1, qkv, o, ln2, gate_up, down = layer
+    projections = (qkv, o, gate_up, down)
+    if len({f.dtype for f in projections}) != 1:
+        raise ValueError(f"decoder_layer takes projections of one weight dtype; got {[f.dtype for f in projections]}")
+    for norm in (ln1, ln2):
+        _float32_vector(norm, hidden, "decoder_layer")
+
+
+def _check_rows(x: torch.Tensor, shape: tuple[int, int, int, int], keys: torch.Tensor, values: torch.Tensor,
+                rows: LayerRows, work: torch.Tensor, threads: int) -> None:
+    """The rows, one layer's keys and values and the scratch as `decoder_layer` reads them."""
+    heads, kv, d, inter = shape
+    n, hidden = x.shape
+    if keys.dtype != torch.float32 or values.dtype != torch.float32:
+        raise ValueError(f"decoder_layer takes float32 keys and values; got {keys.dtype} and {values.dtype}")
+    if (keys.dim() != 4 or keys.shape != values.shape or keys.stride() != values.stride() or keys.stride(3) != 1
+            or tuple(keys.shape[1:]) != (kv, rows.capacity, d) or rows.n != n
+            or (rows.slot_stride is None and keys.shape[0] != rows.num_slots)
+            or not x.is_contiguous() or x.dtype != torch.float32):
+        raise ValueError(f"decoder_layer takes contiguous float32 rows and keys/values [{rows.num_slots}, {kv}, "
+                         f"{rows.capacity}, {d}] (head_dim contiguous) matching its LayerRows; got {tuple(keys.shape)}")
+    if work.dtype != torch.float32 or not work.is_contiguous() or work.numel() < rows.work(hidden, shape, threads):
+        raise ValueError(f"decoder_layer needs contiguous float32 work of rows.work(..., threads={threads}) floats")
+
+
+def _rows_args(x: torch.Tensor, shape: tuple[int, int, int, int], keys: torch.Tensor, rows: LayerRows) -> tuple:
+    """The C arguments after the keys and values that every layer of a forward shares."""
+    allowed = rows.allowed
+    return (keys.stride(0) if rows.slot_stride is None else rows.slot_stride, keys.stride(1), keys.stride(2),
+            rows.slots.data_ptr(), rows.positions.data_ptr(), rows.limits.data_ptr(), _ptr(allowed),
+            0 if allowed is None else allowed.shape[1], ctypes.c_float(1.0 / math.sqrt(shape[2])))
+
+
 def decoder_layer(x: torch.Tensor, layer: tuple, shape: tuple[int, int, int, int], eps: float, cos_sin: torch.Tensor,
                   keys: torch.Tensor, values: torch.Tensor, rows: LayerRows, work: torch.Tensor, threads: int = 1) -> None:
     """One decoder layer over a batch's rows ``x`` [n, hidden] (updated in place) in one call, with the
@@ -309,25 +349,47 @@ def decoder_layer(x: torch.Tensor, layer: tuple, shape: tuple[int, int, int, int
     ln1, qkv, o, ln2, gate_up, down = layer
     heads, kv, d, inter = shape
     n, hidden = x.shape
-    projections = (qkv, o, gate_up, down)
-    if len({f.dtype for f in projections}) != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32:
-        raise ValueError(f"decoder_layer takes projections of one weight dtype and float32 keys and values; got "
-                         f"{[f.dtype for f in projections]}, {keys.dtype} and {values.dtype}")
-    if (keys.dim() != 4 or keys.shape != values.shape or keys.stride() != values.stride() or keys.stride(3) != 1
-            or tuple(keys.shape[1:]) != (kv, rows.capacity, d) or rows.n != n
-            or (rows.slot_stride is None and keys.shape[0] != rows.num_slots)
-            or not x.is_contiguous() or x.dtype != torch.float32):
-        raise ValueError(f"decoder_layer takes contiguous float32 rows and keys/values [{rows.num_slots}, {kv}, "
-                         f"{rows.capacity}, {d}] (head_dim contiguous) matching its LayerRows; got {tuple(keys.shape)}")
-    for norm in (ln1, ln2):
-        _float32_vector(norm, hidden, "decoder_layer")
-    if work.dtype != torch.float32 or not work.is_contiguous() or work.numel() < rows.work(hidden, shape, threads):
-        raise ValueError(f"decoder_layer needs contiguous float32 work of rows.work(..., threads={threads}) floats")
-    allowed = rows.allowed
+    _check_layer(layer, hidden)
+    _check_rows(x, shape, keys, values, rows, work, threads)
     library().specdec_decoder_layer_rows(
         x.data_ptr(), n, hidden, heads, kv, d, inter, ln1.data_ptr(), ln2.data_ptr(), ctypes.c_float(eps),
         qkv.panels.data_ptr(), o.panels.data_ptr(), gate_up.panels.data_ptr(), down.panels.data_ptr(), cos_sin.data_ptr(),
-        keys.data_ptr(), values.data_ptr(), keys.stride(0) if rows.slot_stride is None else rows.slot_stride,
-        keys.stride(1), keys.stride(2), rows.slots.data_ptr(),
-        rows.positions.data_ptr(), rows.limits.data_ptr(), _ptr(allowed), 0 if allowed is None else allowed.shape[1],
-        ctypes.c_float(1.0 / math.sqrt(d)), work.data_ptr(), rows.scratch_stride, WEIGHT_TYPES[qkv.dtype], threads)
+        keys.data_ptr(), values.data_ptr(), *_rows_args(x, shape, keys, rows), work.data_ptr(), rows.scratch_stride,
+        WEIGHT_TYPES[qkv.dtype], threads)
+
+
+class DecoderStack:
+    """A model's decoder layers as `decoder_layer` reads them, checked once and held as C arrays of
+    their weights' addresses, so a forward runs every layer in one call (`run`). The layers' tensors
+    must not move while it is used (a decoder's weights do not after load)."""
+
+    def __init__(self, layers: Sequence[tuple], hidden: int) -> None:
+        for layer in layers:
+            _check_layer(layer, hidden)
+        if len({layer[1].dtype for layer in layers}) != 1:
+            raise ValueError("DecoderStack takes layers of one weight dtype")
+        self.layers = list(layers)  # kept: the addresses below point into them
+        self.hidden = hidden
+        self.weight_type = WEIGHT_TYPES[layers[0][1].dtype]
+
+        def addresses(pick: Callable[[tuple], torch.Tensor]) -> ctypes.Array:
+            return (ctypes.c_void_p * len(layers))(*(pick(layer).data_ptr() for layer in layers))
+
+        self._ln1, self._ln2 = addresses(lambda l: l[0]), addresses(lambda l: l[3])
+        self._qkv, self._o = addresses(lambda l: l[1].panels), addresses(lambda l: l[2].panels)
+        self._gate_up, self._down = addresses(lambda l: l[4].panels), addresses(lambda l: l[5].panels)
+
+    def run(self, x: torch.Tensor, shape: tuple[int, int, int, int], eps: float, cos_sin: torch.Tensor,
+            keys: torch.Tensor, values: torch.Tensor, layer_stride: int, rows: LayerRows, work: torch.Tensor,
+            threads: int = 1) -> None:
+        """`decoder_layer` for every layer in turn: ``keys``/``values`` are layer 0's, and layer i's
+        start ``i * layer_stride`` floats after them (one tensor holds every layer's)."""
+        heads, kv, d, inter = shape
+        n, hidden = x.shape
+        if hidden != self.hidden:
+            raise ValueError(f"DecoderStack holds layers of width {self.hidden}; got rows of {hidden}")
+        _check_rows(x, shape, keys, values, rows, work, threads)
+        library().specdec_decoder_layers(
+            x.data_ptr(), n, len(self.layers), hidden, heads, kv, d, inter, self._ln1, self._ln2, ctypes.c_float(eps),
+            self._qkv, self._o, self._gate_up, self._down, cos_sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
+            layer_stride, *_rows_args(x, shape, keys, rows), work.data_ptr(), rows.scratch_stride, self.weight_type, threads)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.core import llama_model, native_kernels
-from specdec.core.exact_attention import KEY_BLOCK, AttentionShape, ExactGroup, causal_limits, round_up, runs, stacked_masks
+from specdec.core.exact_attention import KEY_BLOCK, AttentionShape, ExactGroup, causal_limits, round_up, stacked_masks
 from specdec.core.kv_slots import DecodeCache, ExactSlotPool, SlotPool
 from specdec.core.runner import Feed
 from specdec.core.tree import feed_mask, feed_positions
@@ -38,6 +38,7 @@ class SlabModel(AttentionShape, llama_model.LayerMath, Protocol):
     intermediate: int
     eps: float
     fused_macs: int | None  # where each layer runs as one C call: its widest linear's multiply-adds per row
+    native_stack: native_kernels.DecoderStack | None  # then every layer in one call, where their keys allow
 
 
 @dataclass
@@ -210,15 +211,16 @@ class SlabBackend:
             for slot in range(lo, hi):  # every slot the view spans, to the padded length (masked keys are still multiplied)
                 pool.fill_to(slab, slot, round_up(length, KEY_BLOCK))
         tensor = pool.slabs[slab]  # [layers, 2, slots, kv, context, d]
-        slots, starts, firsts, lengths = (list(column) for column in zip(*members))
+        # Each row's batch row, slot, row in its sequence, and position, built as lists and made one tensor.
+        rows, slots, in_seq, positions = (torch.tensor([
+            [first + r for _, _, first, n in members for r in range(n)],
+            [slot - lo for slot, _, _, n in members for _ in range(n)],
+            [r for _, _, _, n in members for r in range(n)],
+            [start + r for _, start, _, n in members for r in range(n)]]))
         return ExactGroup(
-            model, lambda i: (tensor[i, 0, lo:hi], tensor[i, 1, lo:hi]), hi - lo,
-            rows=runs(firsts, lengths),
-            slots=torch.repeat_interleave(torch.tensor(slots) - lo, torch.tensor(lengths)),
-            row_in_seq=runs([0] * len(members), lengths),
-            limits=causal_limits(starts, lengths),
-            allowed=None if masks is None else stacked_masks(members, masks, length),
-            positions=runs(starts, lengths))
+            model, lambda i: (tensor[i, 0, lo:hi], tensor[i, 1, lo:hi]), hi - lo, rows=rows, slots=slots,
+            row_in_seq=in_seq, limits=positions + 1,  # causal: a row sees its own position and those before
+            allowed=None if masks is None else stacked_masks(members, masks, length), positions=positions)
 
     def _exact_alone(self, cache: DecodeCache, start: int, first: int, n: int, mask: torch.Tensor | None = None) -> ExactGroup:
         """A cache outside this pool, batch rows first..first + n: a private buffer (zeroed past what it
@@ -278,6 +280,14 @@ class SlabBackend:
         cos_sin = torch.view_as_real(rotary).contiguous()
         threads = native_kernels.threads_for(x.shape[0] * model.fused_macs)  # (its widest GEMM decides, as a NativeLinear's would)
         work = torch.empty(rows.work(model.hidden, shape, threads))
+        keys, values = group.layer_kv(0)
+        last = len(model.layers) - 1
+        stride = (group.layer_kv(1)[0].data_ptr() - keys.data_ptr()) // keys.element_size() if last else 0
+        end_k, end_v = group.layer_kv(last)
+        if (end_k.data_ptr() - keys.data_ptr() == end_v.data_ptr() - values.data_ptr() == last * stride * keys.element_size()
+                and end_k.stride() == keys.stride()):  # every layer's keys one stride on in one tensor: one call for all
+            model.native_stack.run(x, shape, model.eps, cos_sin, keys, values, stride, rows, work, threads)
+            return x
         for i, layer in enumerate(model.layers):
             keys, values = group.layer_kv(i)
             native_kernels.decoder_layer(x, layer, shape, model.eps, cos_sin, keys, values, rows, work, threads)

@@ -199,7 +199,7 @@ def join(decoder: LlamaDecoder, comm: Collectives, vocab: int) -> LlamaDecoder:
     decoder.layers = [(ln1, qkv, _Reduced(o, comm), ln2, gate_up, _Reduced(down, comm))
                       for ln1, qkv, o, ln2, gate_up, down in decoder.layers]
     decoder.lm_head = _Gathered(decoder.lm_head, comm, vocab)
-    decoder.fused_macs = None
+    decoder.fused_macs = decoder.native_stack = None
     return decoder
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from specdec.core import exact_ops, llama_decode, native_kernels
 from specdec.core.llama_decode import LlamaDecoder
+from specdec.core.runner import Feed
 from test_branch_decode import tiny_llama
 
 pytestmark = pytest.mark.skipif(not native_kernels.available(),
@@ -289,13 +290,16 @@ def test_a_compiler_that_fails_turns_native_kernels_off_with_a_reason(monkeypatc
 
 
 def fused_and_per_op(model, monkeypatch) -> tuple[LlamaDecoder, LlamaDecoder, list]:
-    """Two exact decoders of ``model``: one fusing each layer into a C call (each call counted in the
-    list), one held to the per-op path."""
+    """Two exact decoders of ``model``: one fusing each layer into a C call (each layer's call counted
+    in the list: "stack" where one call ran every layer, "layer" where a call ran one), one held to
+    the per-op path."""
     fused, per_op = LlamaDecoder(model, numerics="exact"), LlamaDecoder(model, numerics="exact")
     monkeypatch.setattr(per_op.kv, "_fused_plan", lambda groups: None)
     calls = []
-    real = native_kernels.decoder_layer
-    monkeypatch.setattr(native_kernels, "decoder_layer", lambda *a: (calls.append(1), real(*a))[1])
+    real_layer, real_stack = native_kernels.decoder_layer, native_kernels.DecoderStack.run
+    monkeypatch.setattr(native_kernels, "decoder_layer", lambda *a: (calls.append("layer"), real_layer(*a))[1])
+    monkeypatch.setattr(native_kernels.DecoderStack, "run",
+                        lambda self, *a: (calls.extend(["stack"] * len(self.layers)), real_stack(self, *a))[1])
     return fused, per_op, calls
 
 
@@ -310,8 +314,38 @@ def test_one_sequence_runs_a_c_call_per_layer_with_the_per_op_paths_bits(monkeyp
         a = fused.forward(caches[0], tokens, start, last)
         b = per_op.forward(caches[1], tokens, start, last)
         assert torch.equal(a, b), start
-    assert len(calls) == len(feeds) * len(fused.layers)
+    assert calls == ["stack"] * (len(feeds) * len(fused.layers))  # every layer of a forward in one call
     assert torch.equal(caches[0].buf[:, :, :, :62], caches[1].buf[:, :, :, :62])
+
+
+def test_layers_whose_keys_are_not_one_tensor_run_a_call_each_with_the_same_bits(monkeypatch):
+    """Where a group's layers keep their keys in separate tensors (no single stride from one layer to
+    the next), each layer is its own C call, with the one-call path's bits."""
+    from specdec.core.slab_backend import SlabBackend
+
+    fused, _, calls = fused_and_per_op(tiny_llama(2, seed=22), monkeypatch)
+    assert len(fused.layers) == 2
+    cache = fused.new_cache()
+    fused.forward(cache, list(range(3, 40)), 0, 1)
+    calls.clear()
+    plan = fused.kv.plan([Feed(cache, 37, [5, 6], 2)])
+    group, rows = plan.fused
+    x = fused.embed_rows(plan.token_ids)
+    rotary = fused.rotary[plan.positions]
+    layers = [group.layer_kv(i) for i in range(len(fused.layers))]
+    room = torch.stack([t for kv in layers for t in kv])  # keys 0, values 0, keys 1, values 1, ...
+    room[[2, 3]] = room[[3, 2]].clone()  # layer 1's values before its keys: no one stride from layer to layer
+    apart = [(room[0], room[1]), (room[3], room[2])]
+    together = [tuple(t.clone() for t in group.layer_kv(i)) for i in range(len(fused.layers))]
+    monkeypatch.setattr(group, "layer_kv", lambda i: apart[i])
+    one_each = SlabBackend._layers_fused(fused, x.clone(), rotary, group, rows)
+    assert calls == ["layer"] * len(fused.layers)
+    keys = torch.stack([torch.stack(kv) for kv in together])  # [layers, 2, ...]: one tensor again
+    monkeypatch.setattr(group, "layer_kv", lambda i: (keys[i, 0], keys[i, 1]))
+    one_call = SlabBackend._layers_fused(fused, x.clone(), rotary, group, rows)
+    assert calls[len(fused.layers):] == ["stack"] * len(fused.layers)
+    assert torch.equal(one_each, one_call)
+    assert all(torch.equal(a[j][:, :, :39], keys[i, j][:, :, :39]) for i, a in enumerate(apart) for j in (0, 1))  # (past: unwritten)
 
 
 def test_many_sessions_over_several_slabs_run_a_c_call_per_layer_with_the_per_op_paths_bits(monkeypatch):

@@ -612,3 +612,21 @@ void specdec_decoder_layer_rows(float *x, int64_t n, int64_t hidden, int64_t hea
   gemm_team(threads, wt, act, n, inter, down_w, hidden, tmp);
   for (int64_t i = 0; i < n * hidden; i++) x[i] += tmp[i];
 }
+
+/* Every decoder layer of a forward in one call: specdec_decoder_layer_rows for layer 0, 1, ... in turn
+   (the same kernels in the same order, so the same bits), the weights from per-layer arrays and each
+   layer's keys and values layer_stride floats after the previous layer's. */
+void specdec_decoder_layers(float *x, int64_t n, int64_t layers, int64_t hidden, int64_t heads, int64_t kv_heads,
+                            int64_t d, int64_t inter, const float *const *ln1, const float *const *ln2, float eps,
+                            const void *const *qkv_w, const void *const *o_w, const void *const *gu_w,
+                            const void *const *down_w, const float *cos_sin, float *keys, float *values,
+                            int64_t layer_stride, int64_t slot_stride, int64_t head_stride, int64_t pos_stride,
+                            const int64_t *slots, const int64_t *positions, const int64_t *limits,
+                            const uint8_t *allowed, int64_t allowed_len, float scale, float *work,
+                            int64_t scratch_stride, int wt, int threads) {
+  for (int64_t l = 0; l < layers; l++)
+    specdec_decoder_layer_rows(x, n, hidden, heads, kv_heads, d, inter, ln1[l], ln2[l], eps, qkv_w[l], o_w[l], gu_w[l],
+                               down_w[l], cos_sin, keys + l * layer_stride, values + l * layer_stride, slot_stride,
+                               head_stride, pos_stride, slots, positions, limits, allowed, allowed_len, scale, work,
+                               scratch_stride, wt, threads);
+}
