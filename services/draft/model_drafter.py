@@ -24,7 +24,8 @@ from specdec.core.kv import KVSequence, logits_for_batch
 from specdec.core.choose_runner import choose_runner
 from specdec.core.paged_runner import PagedRunner
 from specdec.core.runner import HFRunner, LeanRunner, ModelRunner
-from specdec.core.llama_decode import LlamaDecoder
+from specdec.core.exact_ops import ExactNumericsUnavailable
+from specdec.core.llama_decode import LlamaDecoder, native_usable
 from specdec.core.models import LoadedModel, check_same_tokenizer, load_causal_lm
 from specdec.core.sampling import SamplingParams, probs_from_logits, sample_from
 from specdec.core.steps import DraftProposal, SparseDistribution
@@ -298,10 +299,18 @@ def build(config: DraftConfig) -> ModelDrafter | None:
 
 def _runner(model: torch.nn.Module, fast: bool, dtype: torch.dtype, max_sessions: int) -> tuple[LlamaDecoder | None, ModelRunner]:
     """The draft's decoder (the lean forward, or None) and runner, chosen by the verifier's rule
-    (core/choose_runner.py). Drafts need speed, not bit-exactness: fast numerics."""
+    (core/choose_runner.py). Drafts need speed, not bit-exactness: where specdec's C kernels run the
+    draft's weights, the exact numerics' path, for its layers are one C call each (a small draft's
+    step is mostly per-op overhead: docs/performance.md 17); else fast numerics."""
     kind = choose_runner(model, fast_forward=fast)
     if kind == "lean":
-        decoder = LlamaDecoder(model, dtype=dtype)
+        decoder = None
+        if native_usable(dtype):
+            try:
+                decoder = LlamaDecoder(model, dtype=dtype, numerics="exact")
+            except ExactNumericsUnavailable as exc:
+                log.info("the draft runs fast numerics: %s", exc)
+        decoder = decoder or LlamaDecoder(model, dtype=dtype)
         return decoder, LeanRunner(decoder)
     if kind == "paged":
         return None, PagedRunner(model, max_sessions=max_sessions)
