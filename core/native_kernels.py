@@ -329,7 +329,7 @@ def _check_rows(x: torch.Tensor, shape: tuple[int, int, int, int], keys: torch.T
         raise ValueError(f"decoder_layer needs contiguous float32 work of rows.work(..., threads={threads}) floats")
 
 
-def _rows_args(x: torch.Tensor, shape: tuple[int, int, int, int], keys: torch.Tensor, rows: LayerRows) -> tuple:
+def _rows_args(shape: tuple[int, int, int, int], keys: torch.Tensor, rows: LayerRows) -> tuple:
     """The C arguments after the keys and values that every layer of a forward shares."""
     allowed = rows.allowed
     return (keys.stride(0) if rows.slot_stride is None else rows.slot_stride, keys.stride(1), keys.stride(2),
@@ -354,7 +354,7 @@ def decoder_layer(x: torch.Tensor, layer: tuple, shape: tuple[int, int, int, int
     library().specdec_decoder_layer_rows(
         x.data_ptr(), n, hidden, heads, kv, d, inter, ln1.data_ptr(), ln2.data_ptr(), ctypes.c_float(eps),
         qkv.panels.data_ptr(), o.panels.data_ptr(), gate_up.panels.data_ptr(), down.panels.data_ptr(), cos_sin.data_ptr(),
-        keys.data_ptr(), values.data_ptr(), *_rows_args(x, shape, keys, rows), work.data_ptr(), rows.scratch_stride,
+        keys.data_ptr(), values.data_ptr(), *_rows_args(shape, keys, rows), work.data_ptr(), rows.scratch_stride,
         WEIGHT_TYPES[qkv.dtype], threads)
 
 
@@ -392,4 +392,4 @@ class DecoderStack:
         library().specdec_decoder_layers(
             x.data_ptr(), n, len(self.layers), hidden, heads, kv, d, inter, self._ln1, self._ln2, ctypes.c_float(eps),
             self._qkv, self._o, self._gate_up, self._down, cos_sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
-            layer_stride, *_rows_args(x, shape, keys, rows), work.data_ptr(), rows.scratch_stride, self.weight_type, threads)
+            layer_stride, *_rows_args(shape, keys, rows), work.data_ptr(), rows.scratch_stride, self.weight_type, threads)

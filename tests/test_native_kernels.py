@@ -455,3 +455,15 @@ def test_a_fused_layer_has_the_same_bits_at_any_thread_count_and_beside_another_
     for w in workers:
         w.join()
     assert all(torch.equal(r[0], want[0]) and torch.equal(r[1], want[1]) for r in results)
+
+
+def test_the_draft_model_runs_the_one_call_path_where_the_c_kernels_run_its_weights(monkeypatch):
+    """A draft's lean forward takes the exact numerics' one-C-call layers where specdec's kernels run
+    its dtype (less per-op overhead), and fast numerics where they do not."""
+    from specdec.draft import model_drafter
+
+    decoder, _ = model_drafter._runner(tiny_llama(2, seed=5), True, torch.float32, 4)
+    assert decoder.exact and decoder.native_stack is not None
+    monkeypatch.setattr(model_drafter, "native_usable", lambda dtype: False)
+    decoder, _ = model_drafter._runner(tiny_llama(2, seed=5), True, torch.float32, 4)
+    assert not decoder.exact and decoder.native_stack is None
