@@ -51,7 +51,9 @@ class SlabPlan:
     last: torch.Tensor  # the rows whose logits are returned
     num_last: list[int]
     groups: list  # SlabGroup | AloneGroup | ExactGroup: who attends which rows over which keys
-    fused: tuple[ExactGroup, native_kernels.LayerRows] | None  # each layer one C call (`run_layers`)
+    # Each layer one C call (`run_layers`): the group whose keys it takes, the rows, and the order the
+    # rows run in when the groups' rows interleave in the batch (None: the batch's own order).
+    fused: tuple[ExactGroup, native_kernels.LayerRows, torch.Tensor | None] | None
 
 
 class SlabBackend:
@@ -239,23 +241,29 @@ class SlabBackend:
 
     # ----------------------------------------------------------------- exact numerics in C, per layer
 
-    def _fused_plan(self, groups: list) -> tuple[ExactGroup, native_kernels.LayerRows] | None:
+    def _fused_plan(self, groups: list) -> tuple[ExactGroup, native_kernels.LayerRows, torch.Tensor | None] | None:
         """Where each layer of this forward can be one C call (`_layers_fused`): exact numerics on native
-        kernels, every group's rows in the batch's order, written where they attend; one cache or slab,
-        or several slabs of this pool (causal rows), read through offsets from the first.
-        Returns the group whose keys a layer's call takes, and the rows; None: layer by layer in Python."""
+        kernels, every row written where it attends; one cache or slab, or several slabs of this pool
+        (causal rows), read through offsets from the first. Groups whose rows interleave in the batch
+        (sessions of several slabs, fed in any order) run in group order, the rows gathered and put back:
+        each row's bits depend on its own data alone. Returns the group whose keys a layer's call
+        takes, the rows, and that order (None: the batch's); None: layer by layer in Python."""
         model = self.model
-        if model.fused_macs is None or not all(isinstance(g, ExactGroup) and g.native
-                                               and g.write is not None and isinstance(g.write[0], slice) for g in groups):
+        if model.fused_macs is None or not all(isinstance(g, ExactGroup) and g.native and g.write is not None
+                                               for g in groups):
             return None
-        groups = sorted(groups, key=lambda g: g.write[0].start)
-        if groups[0].write[0].start != 0 or any(a.write[0].stop != b.write[0].start for a, b in zip(groups, groups[1:])):
-            return None
+        order = None
+        if all(isinstance(g.write[0], slice) for g in groups):
+            groups = sorted(groups, key=lambda g: g.write[0].start)
+            if groups[0].write[0].start != 0 or any(a.write[0].stop != b.write[0].start for a, b in zip(groups, groups[1:])):
+                return None
+        else:  # (every row of the batch is in exactly one group: `_groups`)
+            order = torch.cat([_index(g.write[0]) for g in groups])
         keys = [g.layer_kv(0) for g in groups]  # each ([slots, kv, positions, d] keys, values)
         first_k, first_v = keys[0]
         if len(groups) == 1:
             g = groups[0]
-            return g, native_kernels.LayerRows(g.slots, g.write[2], g.limits, g.allowed, first_k.shape[0], first_k.shape[2])
+            return g, native_kernels.LayerRows(g.slots, g.write[2], g.limits, g.allowed, first_k.shape[0], first_k.shape[2]), None
         size = first_k.element_size()
         same = all(k.shape[1:] == first_k.shape[1:] and k.stride() == first_k.stride() and v.stride() == k.stride()
                    and v.data_ptr() - k.data_ptr() == first_v.data_ptr() - first_k.data_ptr()
@@ -268,13 +276,18 @@ class SlabBackend:
         offsets = torch.cat([(k.data_ptr() - first_k.data_ptr()) // size + g.slots * k.stride(0) for g, (k, _) in zip(groups, keys)])
         rows = native_kernels.LayerRows(offsets, torch.cat([g.write[2] for g in groups]), torch.cat([g.limits for g in groups]),
                                         None, 0, first_k.shape[2], slot_stride=1)
-        return groups[0], rows
+        return groups[0], rows, order
 
     @staticmethod
     def _layers_fused(model: SlabModel, x: torch.Tensor, rotary: torch.Tensor, group: ExactGroup,
-                      rows: native_kernels.LayerRows) -> torch.Tensor:
+                      rows: native_kernels.LayerRows, order: torch.Tensor | None) -> torch.Tensor:
         """`llama_model.run_layers` as a C call per layer (core/native_kernels.py `decoder_layer`): the
-        same kernels in the same order, so the same bits, without the Python between them."""
+        same kernels in the same order, so the same bits, without the Python between them. ``order``:
+        the batch's rows in the order ``rows`` lists them (None: as they are)."""
+        if order is not None:
+            out = torch.empty_like(x)
+            out[order] = SlabBackend._layers_fused(model, x[order], rotary[order], group, rows, None)
+            return out
         x = x.contiguous()  # (the embedding's gather: a fresh tensor, updated in place below)
         shape = (model.n_heads, model.n_kv, model.head_dim, model.intermediate)
         cos_sin = torch.view_as_real(rotary).contiguous()
@@ -292,6 +305,10 @@ class SlabBackend:
             keys, values = group.layer_kv(i)
             native_kernels.decoder_layer(x, layer, shape, model.eps, cos_sin, keys, values, rows, work, threads)
         return x
+
+
+def _index(rows: torch.Tensor | slice) -> torch.Tensor:
+    return torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
 
 
 def sdpa_rows(model: AttentionShape, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

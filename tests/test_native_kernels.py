@@ -66,6 +66,36 @@ def test_linear_refuses_what_it_cannot_run():
 HALF = [dtype for dtype in (torch.bfloat16, torch.float16) if dtype in native_kernels.weight_dtypes()]
 
 
+def test_sessions_of_several_slabs_fed_interleaved_run_one_call_with_the_per_op_paths_bits(monkeypatch):
+    """Sessions of two pool slabs fed in an order that interleaves the slabs (as a verifier's batch
+    lists them): the rows run in slab order in one call and are put back, and every logit and key is
+    bitwise the per-op path's (and a row's bits do not depend on where the batch lists it)."""
+    from specdec.core.kv_slots import SLAB_SLOTS
+
+    fused, per_op, calls = fused_and_per_op(tiny_llama(2, seed=34), monkeypatch)
+    sessions = SLAB_SLOTS + 3
+    caches = [[d.new_cache() for _ in range(sessions)] for d in (fused, per_op)]
+    prompts = [list(range(4 + s, 10 + s)) for s in range(sessions)]
+    for d, cs in zip((fused, per_op), caches):
+        d.forward_batch(cs, prompts, [0] * sessions, [1] * sessions)
+    # the second slab's sessions each before one of the first's, the rest of the first backwards
+    second = list(range(SLAB_SLOTS, sessions))
+    order = [s for pair in zip(second, range(len(second))) for s in pair] + list(range(len(second), SLAB_SLOTS))[::-1]
+    assert caches[0][order[0]].slab != caches[0][order[1]].slab and sorted(order) == list(range(sessions))
+    calls.clear()
+    blocks = [[7 + s % 5] * (1 + s % 3) for s in order]
+    starts = [len(prompts[s]) for s in order]
+    plan = fused.kv.plan([Feed(caches[0][s], st, b, len(b)) for s, st, b in zip(order, starts, blocks)])
+    assert plan.fused is not None and plan.fused[2] is not None  # the groups' rows interleave: run in group order
+    a = fused.forward_batch([caches[0][s] for s in order], blocks, starts, [len(b) for b in blocks])
+    b = per_op.forward_batch([caches[1][s] for s in order], blocks, starts, [len(b) for b in blocks])
+    assert calls == ["stack"] * len(fused.layers)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for s, block in zip(order, blocks):
+        end = len(prompts[s]) + len(block)
+        assert torch.equal(caches[0][s].buf[:, :, :, :end], caches[1][s].buf[:, :, :, :end])
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("out_features,in_features", [(1000, 384), (33, 7), (64, 1024)])
 def test_half_weight_linear_matches_float64_over_the_widened_weights(dtype, out_features, in_features):
@@ -329,7 +359,8 @@ def test_layers_whose_keys_are_not_one_tensor_run_a_call_each_with_the_same_bits
     fused.forward(cache, list(range(3, 40)), 0, 1)
     calls.clear()
     plan = fused.kv.plan([Feed(cache, 37, [5, 6], 2)])
-    group, rows = plan.fused
+    group, rows, order = plan.fused
+    assert order is None  # one sequence: the batch's own order
     x = fused.embed_rows(plan.token_ids)
     rotary = fused.rotary[plan.positions]
     layers = [group.layer_kv(i) for i in range(len(fused.layers))]
@@ -338,11 +369,11 @@ def test_layers_whose_keys_are_not_one_tensor_run_a_call_each_with_the_same_bits
     apart = [(room[0], room[1]), (room[3], room[2])]
     together = [tuple(t.clone() for t in group.layer_kv(i)) for i in range(len(fused.layers))]
     monkeypatch.setattr(group, "layer_kv", lambda i: apart[i])
-    one_each = SlabBackend._layers_fused(fused, x.clone(), rotary, group, rows)
+    one_each = SlabBackend._layers_fused(fused, x.clone(), rotary, group, rows, None)
     assert calls == ["layer"] * len(fused.layers)
     keys = torch.stack([torch.stack(kv) for kv in together])  # [layers, 2, ...]: one tensor again
     monkeypatch.setattr(group, "layer_kv", lambda i: (keys[i, 0], keys[i, 1]))
-    one_call = SlabBackend._layers_fused(fused, x.clone(), rotary, group, rows)
+    one_call = SlabBackend._layers_fused(fused, x.clone(), rotary, group, rows, None)
     assert calls[len(fused.layers):] == ["stack"] * len(fused.layers)
     assert torch.equal(one_each, one_call)
     assert all(torch.equal(a[j][:, :, :39], keys[i, j][:, :, :39]) for i, a in enumerate(apart) for j in (0, 1))  # (past: unwritten)
