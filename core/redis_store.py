@@ -39,6 +39,7 @@ from redis.exceptions import (
 )
 
 from specdec.core.errors import CorruptRecord, InvalidRequest, SessionNotFound, StoreUnavailable
+from specdec.core.redis_batch import ScriptBatcher
 from specdec.core.redis_connect import ReplicaAckMissing, RetryBudget, connect, eval_acked, parse_redis_url, retry_budget
 from specdec.core.sessions import (
     SessionRecord,
@@ -224,6 +225,10 @@ class RedisSessionStore:
         self._abandon = client.register_script(_ABANDON)
         self._read = client.register_script(_GET)
         self._retry_budget: RetryBudget | None = None
+        # Each step's commits of every stream in one pipeline; not where each write waits for its
+        # replicas (WAIT acks a connection's writes), nor over a cluster (each key's shard apart).
+        batched = isinstance(client, aioredis.Redis) and not replica_acks
+        self._commits = ScriptBatcher(client) if batched else None
 
     @classmethod
     def from_url(cls, url: str, ttl_s: float = 3600, prefix: str = "specdec") -> RedisSessionStore:
@@ -347,7 +352,12 @@ class RedisSessionStore:
         packed, counters_json = pack_ids(new_output_ids), json.dumps(counters.to_dict())
         args = [self._ttl_ms, FORMAT_VERSION, packed, counters_json, repr(time.time()), pack_ks(step_ks), holder,
                 -1 if after is None else 4 * after]
-        self._check_result(await self._write(self._commit, self._keys(session_id), args), session_id)
+        keys = self._keys(session_id)
+        if self._commits is not None:
+            result = await self._commits.call(self._commit, keys, args)
+        else:
+            result = await self._write(self._commit, keys, args)
+        self._check_result(result, session_id)
 
     @_store_errors
     async def finish(self, session_id: str, status: SessionStatus, finish_reason: str, holder: str = "") -> None:
