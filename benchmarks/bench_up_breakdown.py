@@ -4,6 +4,13 @@ verifier's threads run (py-spy samples: prefill, verify, drafting, gRPC, event l
 
     python benchmarks/bench_up_breakdown.py --streams 16,64 --topologies colocated,split
     python benchmarks/bench_up_breakdown.py --streams 64 --profile     # + py-spy (pip install py-spy)
+    python benchmarks/bench_up_breakdown.py --topologies colocated --pythons /tmp/venv-before/bin/python,python --rounds 3
+                                                                       # two checkouts, alternated
+
+With --pythons, each interpreter (its own install of specdec: a venv with an editable install of
+another checkout) runs `specdec up` in turn, --rounds times, from a directory outside this checkout
+so each imports only its own; the report adds, per topology and level, the median over rounds of
+each side's tokens/s, TTFT p50 and CPU per token, and each side's tokens/s over the first side's.
 
 For each topology: start `specdec up --topology T` (demo pair, sessions in Redis), warm it with two
 levels of 16 streams (adaptive k learns its load regimes per load level; a server runs for hours,
@@ -98,11 +105,12 @@ async def drive(url: str, streams: int, max_tokens: int, prompts: list[str], req
         return await run_level(client, url, model, prompts, streams, max_tokens, requests_per_stream)
 
 
-def run_topology(args, topology: str, prompts: list[str]) -> dict:
+def run_topology(args, topology: str, prompts: list[str], python: str = sys.executable) -> dict:
     log = Path(tempfile.mkstemp(prefix=f"up-{topology}-", suffix=".log")[1])
-    argv = [sys.executable, "-m", "specdec", "up", "--topology", topology, "--base-port", str(args.base_port),
+    argv = [python, "-m", "specdec", "up", "--topology", topology, "--base-port", str(args.base_port),
             "--redis-url", args.redis_url, "--target", str(args.target), "--draft", str(args.draft)]
-    proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+    # (outside this checkout: `python -m` puts the working directory first on the path)
+    proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=tempfile.gettempdir())
     try:
         url = None
         deadline = time.time() + 180
@@ -149,11 +157,33 @@ def run_topology(args, topology: str, prompts: list[str]) -> dict:
                 spy.wait()
                 level["verifier_samples"] = phases_of(raw)
             levels[streams] = level
-            print(f"{topology} @ {streams}: {json.dumps(level)}", flush=True)
+            print(f"{python} {topology} @ {streams}: {json.dumps(level)}", flush=True)
         return levels
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def compare(runs: dict[str, list[dict]], streams: list[int]) -> dict:
+    """Per level, each side's medians over rounds, and its tokens/s over the first side's."""
+    def med(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+    out = {}
+    for level in streams:
+        row = {}
+        for py, rounds in runs.items():
+            got = [r[level] for r in rounds]
+            cpu = {role: med([g["by_process"].get(role, {}).get("cpu_us_per_token", 0.0) for g in got])
+                   for role in sorted({role for g in got for role in g["by_process"]})}
+            row[py] = {"tokens_per_s": med([g["tokens_per_s"] for g in got]), "ttft_p50_ms": med([g["ttft_p50_ms"] for g in got]),
+                       "cpu_us_per_token": cpu, "rounds": [g["tokens_per_s"] for g in got]}
+        first = next(iter(row.values()))["tokens_per_s"]
+        for v in row.values():
+            v["speed"] = v["tokens_per_s"] / first if first else float("nan")
+        out[level] = row
+    return out
 
 
 def main() -> int:
@@ -168,14 +198,31 @@ def main() -> int:
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--profile", action="store_true", help="py-spy samples of the verifier process per level")
     ap.add_argument("--profile-s", type=int, default=6)
+    ap.add_argument("--pythons", default="", help="interpreters whose specdec installs are compared, comma-separated")
+    ap.add_argument("--rounds", type=int, default=1, help="with --pythons: rounds, the sides alternated")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "up_breakdown"))
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
     if args.profile and shutil.which("py-spy") is None:
         ap.error("--profile needs py-spy (pip install py-spy)")
     prompts = held_out_prompts(64)
-    report = {"streams": args.streams, "max_tokens": args.max_tokens, "cores": len(os.sched_getaffinity(0)),
-              "topologies": {t: run_topology(args, t, prompts) for t in args.topologies.split(",")}}
+    report = {"streams": args.streams, "max_tokens": args.max_tokens, "cores": len(os.sched_getaffinity(0))}
+    topologies = args.topologies.split(",")
+    if not args.pythons:
+        report["topologies"] = {t: run_topology(args, t, prompts) for t in topologies}
+    else:
+        pythons = args.pythons.split(",")
+        runs = {t: {py: [] for py in pythons} for t in topologies}
+        for r in range(args.rounds):
+            for t in topologies:
+                for py in pythons if r % 2 == 0 else pythons[::-1]:  # alternated, the order turned each round
+                    runs[t][py].append(run_topology(args, t, prompts, py))
+        report["runs"] = runs
+        report["sides"] = {t: compare(runs[t], args.streams) for t in topologies}
+        for t, levels in report["sides"].items():
+            for streams, row in levels.items():
+                print(f"{t} @ {streams}: " + "; ".join(f"{py}: {v['tokens_per_s']:.0f} tok/s ({v['speed']:.2f}x), TTFT p50 "
+                                                       f"{v['ttft_p50_ms']:.0f} ms" for py, v in row.items()))
     write_result(Path(args.out) / "up_breakdown.json", **report)
     print(f"wrote {args.out}/up_breakdown.json; machine: {machine()}")
     return 0

@@ -26,6 +26,7 @@ def _load(name: str):
 
 load = _load("openai_load")
 bench = _load("bench_vllm_cpu")
+breakdown = _load("bench_up_breakdown")
 
 
 @pytest.mark.parametrize("line, expected", [
@@ -147,3 +148,17 @@ def test_spec_counters_sum_engines():
 def test_core_range(monkeypatch, cores, expected):
     monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: cores)
     assert bench.core_range() == expected
+
+
+def test_two_checkouts_compare_by_the_median_of_their_rounds():
+    """bench_up_breakdown --pythons: per level, each side's medians over rounds and its speed over the first side's."""
+    def level(tps, ttft, cpu):
+        return {"tokens_per_s": tps, "ttft_p50_ms": ttft, "by_process": {"target": {"cpu_us_per_token": cpu}}}
+
+    runs = {"before": [{64: level(1000, 300, 900)}, {64: level(1200, 500, 800)}, {64: level(1100, 400, 1000)}],
+            "after": [{64: level(1300, 250, 700)}, {64: level(1500, 200, 600)}]}
+    row = breakdown.compare(runs, [64])[64]
+    assert row["before"]["tokens_per_s"] == 1100 and row["before"]["ttft_p50_ms"] == 400
+    assert row["before"]["cpu_us_per_token"] == {"target": 900} and row["before"]["speed"] == 1.0
+    assert row["after"]["tokens_per_s"] == 1400 and row["after"]["rounds"] == [1300, 1500]
+    assert math.isclose(row["after"]["speed"], 1400 / 1100)
