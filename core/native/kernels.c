@@ -425,14 +425,15 @@ static void gemm_of(int wt, GEMM_ARGS) {
 }
 
 /* ---------------------------------------------------------------- a team of threads for one layer
- * The layer's GEMMs split by panels (columns) over ``threads``: each output is still computed by one
- * thread, in the one order, so the split never changes a bit. Helpers are created on first use; between
- * jobs they spin for a moment (a layer's next GEMM follows within microseconds, and waking a sleeping
- * thread costs about as much as a small GEMM's share), then wait on a condition variable (no long spin:
- * on 2 cores a spinning helper would take the core another process needs). One caller at a time: a
- * call that finds the team busy (another Python thread's forward) runs its GEMM alone. */
+ * A layer's GEMMs split by panels (columns) and its attention by rows, over ``threads``: each output is
+ * still computed whole by one thread, in the one order, so no split changes a bit. A job is cut into
+ * TEAM_CHUNKS chunks per thread, which the caller and the helpers claim in turn: a helper that does not
+ * get a core claims nothing, and the caller does its chunks. Helpers are created on first use; between
+ * jobs they spin for a moment, then wait on a condition variable. One caller at a time: a call that
+ * finds the team busy (another Python thread's forward) runs its job alone. */
 #define MAX_TEAM 16
 #define TEAM_SPINS 4000 /* pause instructions a helper (or the caller) spins before it sleeps */
+#define TEAM_CHUNKS 4
 
 typedef struct { /* one attention call (the `attention` arguments) and each thread's scratch, split by rows */
   const float *q;
@@ -455,15 +456,16 @@ typedef struct {
   int64_t m, k, n, panels;
   const void *packed;
   float *y;
-  int parts;
+  int threads, chunks; /* threads that may take part (each has scratch), chunks the job is cut into */
   const attention_job *att; /* set: the job is this attention, not a GEMM */
 } team_job;
 
 static pthread_mutex_t team_lock = PTHREAD_MUTEX_INITIALIZER; /* one caller at a time */
 static pthread_mutex_t team_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t team_go = PTHREAD_COND_INITIALIZER, team_done = PTHREAD_COND_INITIALIZER;
-static int team_size = 0, team_pending = 0;
+static pthread_cond_t team_go = PTHREAD_COND_INITIALIZER, team_finished = PTHREAD_COND_INITIALIZER;
+static int team_size = 0, team_done = 0; /* helpers alive; chunks of this round finished */
 static long team_round = 0, team_born[MAX_TEAM]; /* a member starts waiting for the round after its birth's */
+static uint64_t team_next = 0; /* (round << 32) | the next chunk to claim: a claim names its round */
 static team_job team_work;
 
 /* The first row of part ``part`` of ``parts``: rows split where the keys read so far (the sum of limits,
@@ -479,26 +481,49 @@ static int64_t attention_split(const attention_job *a, int part, int parts) {
   return r;
 }
 
-static void attention_part(const attention_job *a, int part, int parts) {
+static void attention_part(const attention_job *a, int part, int parts, int thread) {
   const int64_t r0 = attention_split(a, part, parts), r1 = attention_split(a, part + 1, parts);
   if (r1 <= r0) return;
   attention(a->q + r0 * a->ldq, r1 - r0, a->ldq, a->heads, a->kv_heads, a->d, a->keys, a->values, a->slot + r0,
             a->slot_stride, a->head_stride, a->pos_stride, a->limit + r0, a->allowed ? a->allowed + r0 * a->allowed_len : 0,
-            a->allowed_len, a->scale, a->out + r0 * a->heads * a->d, a->scratch + part * a->scratch_stride, a->bf16);
+            a->allowed_len, a->scale, a->out + r0 * a->heads * a->d, a->scratch + thread * a->scratch_stride, a->bf16);
 }
 
-static void team_part(const team_job *j, int part) {
+/* Chunk ``chunk`` of the job, on thread ``thread`` (whose scratch it uses). */
+static void team_part(const team_job *j, int chunk, int thread) {
   if (j->att) {
-    attention_part(j->att, part, j->parts);
+    attention_part(j->att, chunk, j->chunks, thread);
     return;
   }
-  const int64_t p0 = j->panels * part / j->parts, p1 = j->panels * (part + 1) / j->parts;
+  const int64_t p0 = j->panels * chunk / j->chunks, p1 = j->panels * (chunk + 1) / j->chunks;
   if (p1 > p0) gemm_of(j->wt, j->x, j->m, j->k, j->packed, j->n, j->y, p0, p1);
 }
 
+/* The next unclaimed chunk of round ``round``, or -1 when none is left (or that round is over). */
+static int team_claim(uint32_t round, int chunks) {
+  uint64_t v = __atomic_load_n(&team_next, __ATOMIC_ACQUIRE);
+  for (;;) {
+    if ((uint32_t)(v >> 32) != round || (int)(uint32_t)v >= chunks) return -1;
+    if (__atomic_compare_exchange_n(&team_next, &v, v + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return (int)(uint32_t)v;
+  }
+}
+
+/* Claim and run chunks of ``job`` (round ``round``) until none is left; the last one finished wakes the caller. */
+static void team_work_on(const team_job *job, uint32_t round, int thread, int wake) {
+  int c;
+  while ((c = team_claim(round, job->chunks)) >= 0) {
+    team_part(job, c, thread);
+    if (__atomic_add_fetch(&team_done, 1, __ATOMIC_ACQ_REL) == job->chunks && wake) {
+      pthread_mutex_lock(&team_mu);
+      pthread_cond_signal(&team_finished);
+      pthread_mutex_unlock(&team_mu);
+    }
+  }
+}
+
 static void *team_member(void *arg) {
-  const int part = (int)(intptr_t)arg; /* 1..team_size */
-  long seen = team_born[part];
+  const int thread = (int)(intptr_t)arg; /* 1..team_size */
+  long seen = team_born[thread];
   for (;;) {
     for (int i = 0; i < TEAM_SPINS && __atomic_load_n(&team_round, __ATOMIC_ACQUIRE) == seen; i++) _mm_pause();
     pthread_mutex_lock(&team_mu);
@@ -506,20 +531,17 @@ static void *team_member(void *arg) {
     seen = team_round;
     const team_job job = team_work;
     pthread_mutex_unlock(&team_mu);
-    if (part < job.parts) team_part(&job, part);
-    pthread_mutex_lock(&team_mu);
-    if (__atomic_sub_fetch(&team_pending, 1, __ATOMIC_RELEASE) == 0) pthread_cond_signal(&team_done);
-    pthread_mutex_unlock(&team_mu);
+    if (thread < job.threads) team_work_on(&job, (uint32_t)seen, thread, 1);
   }
   return NULL;
 }
 
-/* ``job`` split over ``threads`` threads (this one included); alone where the team is busy or cannot grow. */
-static void team_run(int threads, team_job job) {
+/* ``job`` over up to ``threads`` threads (this one included); alone where the team is busy or cannot grow. */
+static void team_run(int threads, int64_t units, team_job job) {
   if (threads > MAX_TEAM) threads = MAX_TEAM;
   if (threads <= 1 || pthread_mutex_trylock(&team_lock) != 0) {
-    job.parts = 1;
-    team_part(&job, 0);
+    job.threads = job.chunks = 1;
+    team_part(&job, 0, 0);
     return;
   }
   while (team_size < threads - 1) {
@@ -530,17 +552,20 @@ static void team_run(int threads, team_job job) {
     team_size++;
   }
   if (threads > team_size + 1) threads = team_size + 1;
-  job.parts = threads;
+  job.threads = threads;
+  job.chunks = units < (int64_t)threads * TEAM_CHUNKS ? (int)units : threads * TEAM_CHUNKS;
   pthread_mutex_lock(&team_mu);
   team_work = job;
-  __atomic_store_n(&team_pending, team_size, __ATOMIC_RELAXED);
-  __atomic_store_n(&team_round, team_round + 1, __ATOMIC_RELEASE); /* (a spinning helper reads it, then the job under the lock) */
+  team_done = 0;
+  const long round = team_round + 1;
+  __atomic_store_n(&team_next, (uint64_t)(uint32_t)round << 32, __ATOMIC_RELEASE);
+  __atomic_store_n(&team_round, round, __ATOMIC_RELEASE); /* (a spinning helper reads it, then the job under the lock) */
   pthread_cond_broadcast(&team_go);
   pthread_mutex_unlock(&team_mu);
-  team_part(&job, 0);
-  for (int i = 0; i < TEAM_SPINS && __atomic_load_n(&team_pending, __ATOMIC_ACQUIRE) > 0; i++) _mm_pause();
+  team_work_on(&job, (uint32_t)round, 0, 0);
+  for (int i = 0; i < TEAM_SPINS && __atomic_load_n(&team_done, __ATOMIC_ACQUIRE) < job.chunks; i++) _mm_pause();
   pthread_mutex_lock(&team_mu);
-  while (team_pending > 0) pthread_cond_wait(&team_done, &team_mu);
+  while (__atomic_load_n(&team_done, __ATOMIC_ACQUIRE) < job.chunks) pthread_cond_wait(&team_finished, &team_mu);
   pthread_mutex_unlock(&team_mu);
   pthread_mutex_unlock(&team_lock);
 }
@@ -548,15 +573,15 @@ static void team_run(int threads, team_job job) {
 /* y = x @ W^T with ``threads`` threads, split by panels (columns). */
 static void gemm_team(int threads, int wt, const float *x, int64_t m, int64_t k, const void *packed, int64_t n, float *y) {
   const int64_t panels = (n + NR - 1) / NR;
-  const team_job job = {wt, x, m, k, n, panels, packed, y, 1, 0};
-  team_run(threads > panels ? (int)panels : threads, job);
+  const team_job job = {wt, x, m, k, n, panels, packed, y, 1, 1, 0};
+  team_run(threads > panels ? (int)panels : threads, panels, job);
 }
 
 /* `attention` with ``threads`` threads, split by rows (each row whole on one thread: the same bits at
  * any count); thread t's scratch at scratch + t * scratch_stride (at least max(limit) + LANES floats). */
 static void attention_team(int threads, const attention_job *a) {
-  const team_job job = {0, 0, 0, 0, 0, 0, 0, 0, 1, a};
-  team_run(threads > a->rows ? (int)a->rows : threads, job);
+  const team_job job = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, a};
+  team_run(threads > a->rows ? (int)a->rows : threads, a->rows, job);
 }
 
 #define ATTENTION_THREADS_CALL(bf16)                                                                                 \
