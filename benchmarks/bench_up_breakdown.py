@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import DEMO, held_out_prompts, machine, write_result  # noqa: E402
+from common import DEMO, held_out_prompts, machine, median, write_result  # noqa: E402
 from openai_load import run_level, served_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,18 +166,14 @@ def run_topology(args, topology: str, prompts: list[str], python: str = sys.exec
 
 def compare(runs: dict[str, list[dict]], streams: list[int]) -> dict:
     """Per level, each side's medians over rounds, and its tokens/s over the first side's."""
-    def med(xs):
-        xs = sorted(xs)
-        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
     out = {}
     for level in streams:
         row = {}
         for py, rounds in runs.items():
             got = [r[level] for r in rounds]
-            cpu = {role: med([g["by_process"].get(role, {}).get("cpu_us_per_token", 0.0) for g in got])
+            cpu = {role: median([g["by_process"].get(role, {}).get("cpu_us_per_token", 0.0) for g in got])
                    for role in sorted({role for g in got for role in g["by_process"]})}
-            row[py] = {"tokens_per_s": med([g["tokens_per_s"] for g in got]), "ttft_p50_ms": med([g["ttft_p50_ms"] for g in got]),
+            row[py] = {"tokens_per_s": median([g["tokens_per_s"] for g in got]), "ttft_p50_ms": median([g["ttft_p50_ms"] for g in got]),
                        "cpu_us_per_token": cpu, "rounds": [g["tokens_per_s"] for g in got]}
         first = next(iter(row.values()))["tokens_per_s"]
         for v in row.values():

@@ -21,19 +21,19 @@ class ScriptBatcher:
     def __init__(self, client: aioredis.Redis) -> None:
         self._client = client
         self._pending: list[tuple[AsyncScript, list, list, asyncio.Future]] = []
+        self._sending: set[asyncio.Task] = set()  # (held: the loop keeps only weak references to tasks)
 
     async def call(self, script: AsyncScript, keys: list, args: list):
         future = asyncio.get_running_loop().create_future()
         self._pending.append((script, keys, args, future))
-        if len(self._pending) == 1:  # the first of this turn: the flush runs once the others are in
-            asyncio.get_running_loop().call_soon(self._flush)
+        if len(self._pending) == 1:  # the first of this turn: the send starts once the others are in
+            task = asyncio.ensure_future(self._send())
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
         return await future
 
-    def _flush(self) -> None:
+    async def _send(self) -> None:
         calls, self._pending = self._pending, []
-        asyncio.ensure_future(self._send(calls))
-
-    async def _send(self, calls: list[tuple[AsyncScript, list, list, asyncio.Future]]) -> None:
         try:
             async with self._client.pipeline(transaction=False) as pipe:
                 for script, keys, args, _ in calls:

@@ -225,10 +225,9 @@ class RedisSessionStore:
         self._abandon = client.register_script(_ABANDON)
         self._read = client.register_script(_GET)
         self._retry_budget: RetryBudget | None = None
-        # Each step's commits of every stream in one pipeline; not where each write waits for its
-        # replicas (WAIT acks a connection's writes), nor over a cluster (each key's shard apart).
-        batched = isinstance(client, aioredis.Redis) and not replica_acks
-        self._commits = ScriptBatcher(client) if batched else None
+        # The writes of every stream in one turn (each step's commits) in one pipeline; not where each
+        # write waits for its replicas (WAIT acks a connection's writes), nor over a cluster (each key's shard apart).
+        self._batch = ScriptBatcher(client) if isinstance(client, aioredis.Redis) and not replica_acks else None
 
     @classmethod
     def from_url(cls, url: str, ttl_s: float = 3600, prefix: str = "specdec") -> RedisSessionStore:
@@ -247,10 +246,13 @@ class RedisSessionStore:
         return self._retry_budget
 
     async def _write(self, script, keys: list[str], args: list) -> int:
-        """Run a write script; with ``replica_acks``, done only once that many replicas have it."""
-        if not self._replica_acks:
-            return await script(keys=keys, args=args)
-        return await eval_acked(self._redis, script.script, keys, args, self._replica_acks, self._replica_ack_timeout_ms)
+        """Run a write script: in this turn's pipeline (one server), alone (a cluster), or with
+        ``replica_acks``, done only once that many replicas have it."""
+        if self._replica_acks:
+            return await eval_acked(self._redis, script.script, keys, args, self._replica_acks, self._replica_ack_timeout_ms)
+        if self._batch is not None:
+            return await self._batch.call(script, keys, args)
+        return await script(keys=keys, args=args)
 
     def session_key(self, session_id: str) -> str:
         return f"{self._prefix}:sess:{{{check_session_id(session_id)}}}"
@@ -352,12 +354,7 @@ class RedisSessionStore:
         packed, counters_json = pack_ids(new_output_ids), json.dumps(counters.to_dict())
         args = [self._ttl_ms, FORMAT_VERSION, packed, counters_json, repr(time.time()), pack_ks(step_ks), holder,
                 -1 if after is None else 4 * after]
-        keys = self._keys(session_id)
-        if self._commits is not None:
-            result = await self._commits.call(self._commit, keys, args)
-        else:
-            result = await self._write(self._commit, keys, args)
-        self._check_result(result, session_id)
+        self._check_result(await self._write(self._commit, self._keys(session_id), args), session_id)
 
     @_store_errors
     async def finish(self, session_id: str, status: SessionStatus, finish_reason: str, holder: str = "") -> None:

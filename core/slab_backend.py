@@ -263,7 +263,7 @@ class SlabBackend:
         first_k, first_v = keys[0]
         if len(groups) == 1:
             g = groups[0]
-            return g, native_kernels.LayerRows(g.slots, g.write[2], g.limits, g.allowed, first_k.shape[0], first_k.shape[2]), None
+            return g, native_kernels.LayerRows(g.slots, g.write[2], g.limits, g.allowed, first_k.shape[0], first_k.shape[2]), order
         size = first_k.element_size()
         same = all(k.shape[1:] == first_k.shape[1:] and k.stride() == first_k.stride() and v.stride() == k.stride()
                    and v.data_ptr() - k.data_ptr() == first_v.data_ptr() - first_k.data_ptr()

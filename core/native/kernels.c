@@ -429,8 +429,10 @@ static void gemm_of(int wt, GEMM_ARGS) {
  * still computed whole by one thread, in the one order, so no split changes a bit. A job is cut into
  * TEAM_CHUNKS chunks per thread, which the caller and the helpers claim in turn: a helper that does not
  * get a core claims nothing, and the caller does its chunks. Helpers are created on first use; between
- * jobs they spin for a moment, then wait on a condition variable. One caller at a time: a call that
- * finds the team busy (another Python thread's forward) runs its job alone. */
+ * jobs they spin for a moment (a layer's next GEMM follows within microseconds, and waking a sleeping
+ * thread costs about as much as a small GEMM's share), then wait on a condition variable (no long spin:
+ * on 2 cores a spinning helper would take the core another process needs). One caller at a time: a
+ * call that finds the team busy (another Python thread's forward) runs its job alone. */
 #define MAX_TEAM 16
 #define TEAM_SPINS 4000 /* pause instructions a helper (or the caller) spins before it sleeps */
 #define TEAM_CHUNKS 4
